@@ -1,0 +1,26 @@
+-- close: ARGV 2 entry 'c|<id>', 3 id, 4 cancel_pending_enqueues (0/1).
+-- Without cancel the close joins the end of the enqueue attempts and applies once the
+-- earlier ones are done. Returns {'ok'}, {'wait'}, {'already'} or {'gone'}.
+local E, ID, CANCEL = ARGV[2], ARGV[3], (ARGV[4] == '1')
+if not KIND then return {'gone'} end
+reap()
+if CLOSED then
+  if CANCEL then return {'ok'} end
+  return {'already'}
+end
+if CANCEL then
+  redis.call('HSET', META, 'closed', 1)
+  CLOSED = true
+  cancel_enqueues('cancelled')
+  flush()
+  return {'ok'}
+end
+if redis.call('LLEN', EW) == 0 then
+  redis.call('HSET', META, 'closed', 1)
+  CLOSED = true
+  flush()
+  return {'ok'}
+end
+redis.call('RPUSH', EW, E)
+redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+return {'wait'}

@@ -1,0 +1,12 @@
+-- collect: ARGV 2 entry, 3 id, 4 previous delivery record to drop ('' for none).
+-- Run by a blocked caller after each wait: the outcome if its attempt finished, else
+-- {'pending'} after renewing its lease. Also reaps attempts of dead callers.
+local E, ID = ARGV[2], ARGV[3]
+if ARGV[4] ~= '' then redis.call('DEL', akey(ARGV[4], 'h')) end
+if reap() then flush() end
+local st = redis.call('GET', akey(ID, 's'))
+if st then return finalize(ID, st) end
+if not KIND then return {'gone'} end
+if not redis.call('ZSCORE', LEASE, E) then return {'expired'} end
+redis.call('ZADD', LEASE, 'XX', NOW + LEASE_MS, E)
+return {'pending'}

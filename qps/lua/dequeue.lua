@@ -1,0 +1,37 @@
+-- dequeue: ARGV 2 entry 'd|<n>|<mode>|<id>', 3 id, 4 n, 5 mode (one|many|upto),
+-- 6 nowait (0/1), 7 id of the caller's previous delivery record to drop ('' for none).
+-- Returns {'ok', elements}, {'wait'}, {'oor:<size>'}, {'wouldblock'}, {'aborted'}, {'gone'}.
+local E, ID, N, MODE, NOWAIT = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], (ARGV[6] == '1')
+if ARGV[7] ~= '' then redis.call('DEL', akey(ARGV[7], 'h')) end
+if not KIND then return {'gone'} end
+if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
+reap()
+local hk = akey(ID, 'h')
+
+local function deliver(k)
+  local vals = take(k)
+  rpush_all(hk, vals)
+  redis.call('PEXPIRE', hk, RECORD_MS)
+  redis.call('HINCRBY', META, 'deq', k)
+  flush()
+  return {'ok', vals}
+end
+
+if redis.call('LLEN', DW) == 0 then
+  local avail = takeable()
+  if avail >= N then return deliver(N) end
+  if CLOSED or NOWAIT then
+    if MODE == 'upto' and avail > 0 then return deliver(avail) end
+    if CLOSED then return {'oor:' .. size()} end
+    return {'wouldblock'}
+  end
+  if avail > 0 then rpush_all(hk, take(avail)) end
+elseif NOWAIT then
+  return {'wouldblock'}
+end
+redis.call('RPUSH', DW, E)
+redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+flush()
+local st = redis.call('GET', akey(ID, 's'))
+if st then return finalize(ID, st) end
+return {'wait'}

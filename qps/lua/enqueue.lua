@@ -1,0 +1,48 @@
+-- enqueue: ARGV 2 entry 'e|<id>', 3 id, 4 nowait (0/1), 5.. encoded elements.
+-- Inserts what fits now (a prefix); the rest waits in a:<id>:p behind earlier attempts.
+-- Returns {'ok'}, {'wait'}, {'closed'}, {'wouldblock'}, {'aborted'} or {'gone'}.
+local E, ID, NOWAIT = ARGV[2], ARGV[3], (ARGV[4] == '1')
+if not KIND then return {'gone'} end
+if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
+reap()
+if CLOSED then
+  flush()
+  return {'closed'}
+end
+local vals = argv_from(5)
+local total = #vals
+local k = 0
+if redis.call('LLEN', EW) == 0 then
+  k = total
+  if CAP >= 0 then k = math.min(total, math.max(0, CAP - size())) end
+  if NOWAIT and k < total then
+    flush()
+    return {'wouldblock'}
+  end
+  if k > 0 then
+    if k < total then
+      local head = {}
+      for i = 1, k do head[i] = vals[i] end
+      push_back(head)
+    else
+      push_back(vals)
+    end
+    redis.call('HINCRBY', META, 'enq', k)
+  end
+elseif NOWAIT then
+  flush()
+  return {'wouldblock'}
+end
+if k == total then
+  flush()
+  return {'ok'}
+end
+local rest = {}
+for i = k + 1, total do rest[#rest + 1] = vals[i] end
+rpush_all(akey(ID, 'p'), rest)
+redis.call('RPUSH', EW, E)
+redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+flush()
+local st = redis.call('GET', akey(ID, 's'))
+if st then return finalize(ID, st) end
+return {'wait'}

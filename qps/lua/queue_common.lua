@@ -1,0 +1,280 @@
+-- Shared prelude of every queue script (prepended to each one by qps.transport).
+--
+-- KEYS: 1 meta (hash), 2 items (list, or hash slot->element for shuffle queues),
+--       3 ew (pending enqueue attempts), 4 dw (pending dequeue attempts), 5 lease (zset)
+-- ARGV[1] is always the lease length in ms; the rest is per script.
+--
+-- Attempt entries (members of ew/dw and of the lease zset):
+--   'e|<id>'            an enqueue still inserting; its elements wait in a:<id>:p
+--   'c|<id>'            a close() queued behind earlier enqueues
+--   'd|<n>|<mode>|<id>' a dequeue of n elements (mode one|many|upto); holds a:<id>:h
+--   'r|<id>'            a finished dequeue whose caller has not collected a:<id>:h yet
+-- A finished attempt gets its outcome in a:<id>:s and a token in a:<id>:w (its caller
+-- blocks on that list). All of these keys share the queue's hash tag, hence its slot.
+
+local META, ITEMS, EW, DW, LEASE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local P = string.sub(META, 1, -5)
+local T = redis.call('TIME')
+local NOW = tonumber(T[1]) * 1000 + math.floor(tonumber(T[2]) / 1000)
+local LEASE_MS = tonumber(ARGV[1])
+local RECORD_MS = 60000
+local BATCH = 500
+
+local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed')
+local KIND = M[1]
+local CAP = tonumber(M[2]) or -1
+local MINAFTER = tonumber(M[3]) or 0
+local CLOSED = (M[4] == '1')
+local SHUFFLE = (KIND == 'shuffle')
+
+local function akey(id, suffix)
+  return P .. 'a:' .. id .. ':' .. suffix
+end
+
+local function rpush_all(key, vals)
+  for i = 1, #vals, BATCH do
+    redis.call('RPUSH', key, unpack(vals, i, math.min(i + BATCH - 1, #vals)))
+  end
+end
+
+local function size()
+  if SHUFFLE then
+    return tonumber(redis.call('HGET', META, 'n')) or 0
+  end
+  return redis.call('LLEN', ITEMS)
+end
+
+-- How many elements a dequeue may remove now: a shuffle queue keeps min_after_dequeue
+-- elements back until it is closed.
+local function takeable()
+  local n = size()
+  if SHUFFLE and not CLOSED then
+    return math.max(0, n - MINAFTER)
+  end
+  return n
+end
+
+local function push_back(vals)
+  if #vals == 0 then return end
+  if SHUFFLE then
+    local n = tonumber(redis.call('HGET', META, 'n')) or 0
+    for i = 1, #vals do
+      redis.call('HSET', ITEMS, n, vals[i])
+      n = n + 1
+    end
+    redis.call('HSET', META, 'n', n)
+  else
+    rpush_all(ITEMS, vals)
+  end
+end
+
+-- Put vals back at the front, vals[1] first (a shuffle queue has no front).
+local function push_front(vals)
+  if #vals == 0 then return end
+  if SHUFFLE then return push_back(vals) end
+  local rev = {}
+  for i = #vals, 1, -1 do rev[#rev + 1] = vals[i] end
+  for i = 1, #rev, BATCH do
+    redis.call('LPUSH', ITEMS, unpack(rev, i, math.min(i + BATCH - 1, #rev)))
+  end
+end
+
+-- Remove k elements: the head of the list, or k uniform picks from the shuffle hash
+-- (each pick moves the last slot into the gap: O(1) per element). The generator is
+-- Park-Miller (multiplier 48271, modulus 2^31-1): exact in Lua's doubles, seeded per queue.
+local function take(k)
+  if k <= 0 then return {} end
+  if not SHUFFLE then
+    return redis.call('LPOP', ITEMS, k)
+  end
+  local st = redis.call('HMGET', META, 'n', 'rng')
+  local n, s = tonumber(st[1]) or 0, tonumber(st[2]) or 1
+  local out = {}
+  for i = 1, k do
+    s = (s * 48271) % 2147483647
+    local r = s % n
+    local last = n - 1
+    out[i] = redis.call('HGET', ITEMS, r)
+    if r ~= last then
+      redis.call('HSET', ITEMS, r, redis.call('HGET', ITEMS, last))
+    end
+    redis.call('HDEL', ITEMS, last)
+    n = n - 1
+  end
+  redis.call('HSET', META, 'n', n, 'rng', s)
+  return out
+end
+
+local function parse(e)
+  local t = string.sub(e, 1, 1)
+  if t == 'd' then
+    local n, mode, id = string.match(e, '^d|(%d+)|(%a+)|(.+)$')
+    return t, id, tonumber(n), mode
+  end
+  return t, string.sub(e, 3)
+end
+
+local function signal(id, status)
+  redis.call('SET', akey(id, 's'), status, 'PX', RECORD_MS)
+  redis.call('RPUSH', akey(id, 'w'), 1)
+  redis.call('PEXPIRE', akey(id, 'w'), RECORD_MS)
+end
+
+local function finish_enq(e, id, status)
+  redis.call('ZREM', LEASE, e)
+  signal(id, status)
+end
+
+local function finish_deq(e, id, status, count)
+  redis.call('ZREM', LEASE, e)
+  if status == 'ok' then
+    redis.call('ZADD', LEASE, NOW + LEASE_MS, 'r|' .. id)
+    redis.call('HINCRBY', META, 'deq', count)
+  end
+  signal(id, status)
+end
+
+-- Fail every pending enqueue (their inserted prefixes stay); a pending close completes.
+local function cancel_enqueues(status)
+  local all = redis.call('LRANGE', EW, 0, -1)
+  for _, e in ipairs(all) do
+    local t, id = parse(e)
+    redis.call('ZREM', LEASE, e)
+    if t == 'e' then
+      redis.call('DEL', akey(id, 'p'))
+      signal(id, status)
+    else
+      signal(id, 'ok')
+    end
+  end
+  redis.call('DEL', EW)
+end
+
+-- Serve pending attempts in arrival order until nothing moves: enqueues at the head of
+-- ew insert what fits, a close at the head closes the queue, the dequeue at the head of
+-- dw takes what it may (head-of-line blocking, as in TensorFlow's attempt lists).
+local function flush()
+  local progress = true
+  while progress do
+    progress = false
+    while true do
+      local e = redis.call('LINDEX', EW, 0)
+      if not e then break end
+      local t, id = parse(e)
+      if t == 'c' then
+        redis.call('LPOP', EW)
+        redis.call('HSET', META, 'closed', 1)
+        CLOSED = true
+        finish_enq(e, id, 'ok')
+        cancel_enqueues('closed')
+        progress = true
+        break
+      end
+      local pk = akey(id, 'p')
+      local space = BATCH
+      if CAP >= 0 then space = math.min(BATCH, CAP - size()) end
+      if space <= 0 then break end
+      local vals = redis.call('LPOP', pk, space)
+      if vals then
+        push_back(vals)
+        redis.call('HINCRBY', META, 'enq', #vals)
+        progress = true
+      end
+      if redis.call('LLEN', pk) > 0 then break end
+      redis.call('LPOP', EW)
+      finish_enq(e, id, 'ok')
+      progress = true
+    end
+    while true do
+      local e = redis.call('LINDEX', DW, 0)
+      if not e then break end
+      local _, id, n, mode = parse(e)
+      local hk = akey(id, 'h')
+      local held = redis.call('LLEN', hk)
+      local k = math.min(n - held, takeable())
+      if k > 0 then
+        rpush_all(hk, take(k))
+        held = held + k
+        progress = true
+      end
+      if held >= n then
+        redis.call('LPOP', DW)
+        finish_deq(e, id, 'ok', held)
+        progress = true
+      elseif CLOSED then
+        redis.call('LPOP', DW)
+        progress = true
+        if mode == 'upto' and held > 0 then
+          finish_deq(e, id, 'ok', held)
+        else
+          push_front(redis.call('LRANGE', hk, 0, -1))
+          redis.call('DEL', hk)
+          finish_deq(e, id, 'oor:' .. size(), 0)
+        end
+      else
+        break
+      end
+    end
+  end
+end
+
+-- Undo a dequeue: whatever it holds (partial, finished or just delivered) goes back to
+-- the front in order, and the delivered count is corrected.
+local function undo_dequeue(e, id)
+  local pending = (redis.call('LREM', DW, 1, e) > 0)
+  redis.call('ZREM', LEASE, e, 'r|' .. id)
+  local hk = akey(id, 'h')
+  local vals = redis.call('LRANGE', hk, 0, -1)
+  redis.call('DEL', hk)
+  push_front(vals)
+  if not pending and #vals > 0 then
+    redis.call('HINCRBY', META, 'deq', -#vals)
+  end
+end
+
+local function undo_enqueue(e, id)
+  redis.call('LREM', EW, 1, e)
+  redis.call('ZREM', LEASE, e)
+  redis.call('DEL', akey(id, 'p'))
+end
+
+local function undo(e)
+  local t, id = parse(e)
+  if t == 'd' or t == 'r' then
+    undo_dequeue(e, id)
+  else
+    undo_enqueue(e, id)
+  end
+  return id
+end
+
+-- Attempts whose caller stopped renewing its lease (a dead process) are undone.
+local function reap()
+  local dead = redis.call('ZRANGEBYSCORE', LEASE, '-inf', NOW, 'LIMIT', 0, 32)
+  for _, e in ipairs(dead) do
+    local id = undo(e)
+    redis.call('SET', akey(id, 's'), 'expired', 'PX', RECORD_MS)
+  end
+  return #dead > 0
+end
+
+-- The reply for a finished attempt; a dequeue's elements stay in a:<id>:h for a while as
+-- a delivery record, so that a caller cancelled before reading the reply can put them back.
+local function finalize(id, st)
+  redis.call('DEL', akey(id, 's'), akey(id, 'w'))
+  if st == 'ok' then
+    local hk = akey(id, 'h')
+    if redis.call('ZREM', LEASE, 'r|' .. id) > 0 or redis.call('EXISTS', hk) == 1 then
+      local vals = redis.call('LRANGE', hk, 0, -1)
+      redis.call('PEXPIRE', hk, RECORD_MS)
+      return {'ok', vals}
+    end
+  end
+  return {st}
+end
+
+local function argv_from(i)
+  local out = {}
+  for j = i, #ARGV do out[#out + 1] = ARGV[j] end
+  return out
+end

@@ -1,0 +1,27 @@
+"""Redis-backed queues with TensorFlow 1.x semantics."""
+
+from qps.queues.base import (
+    QueueBase,
+    QueueStats,
+    delete_queue,
+    list_queues,
+    peek_blobs,
+    queue_stats,
+)
+from qps.queues.fifo import FIFOQueue
+from qps.queues.padding import PaddingFIFOQueue
+from qps.queues.shuffle import RandomShuffleQueue
+from qps.queues.spec import QueueSpec
+
+__all__ = [
+    "FIFOQueue",
+    "PaddingFIFOQueue",
+    "QueueBase",
+    "QueueSpec",
+    "QueueStats",
+    "RandomShuffleQueue",
+    "delete_queue",
+    "list_queues",
+    "peek_blobs",
+    "queue_stats",
+]

@@ -1,0 +1,835 @@
+"""The queue machinery shared by FIFOQueue, RandomShuffleQueue and PaddingFIFOQueue.
+
+State lives in Redis; every state transition is one Lua script (``qps/lua``). A call
+that cannot finish at once is registered as a pending *attempt* in the queue's FIFO
+attempt lists (TensorFlow's model: head-of-line blocking, ``close`` queued behind
+earlier enqueues) and its caller blocks in ``BLPOP`` on the attempt's wake key; the
+script that makes progress for it pushes the wake token. Nothing polls.
+
+Guarantees beyond TensorFlow's (TF1_SEMANTICS.md §10):
+
+* cancellation atomicity: a call that raises (timeout, asyncio cancellation, client
+  closed) leaves the queue as if it had never been made; elements a dequeue had taken
+  go back to the front in order;
+* attempts of a process that died are undone when their lease (renewed by every wait)
+  runs out;
+* an element that does not decode is moved to the queue's dead-letter list and the
+  dequeue goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from qps import keys, wire
+from qps.errors import (
+    AbortedError,
+    CancelledError,
+    DataLossError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    WouldBlockError,
+)
+from qps.queues.spec import QueueSpec, Shape, format_shape
+from qps.transport import BLOCK_SECONDS, Client
+
+log = logging.getLogger("qps.queue")
+
+#: A blocked caller renews its attempt's lease on every wait (each BLOCK_SECONDS); a
+#: caller silent for this long is taken for dead and its attempt is undone.
+LEASE_MS = 10_000
+
+Element = Any  # an array, a list of arrays, or a dict of arrays
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A snapshot of a queue, read without changing it.
+
+    Attributes:
+        name, container: where it lives.
+        spec: its :class:`QueueSpec`.
+        size: stored elements (elements held by pending dequeues not counted, as in TF).
+        closed: whether ``close`` has taken effect.
+        enqueued_total / dequeued_total: elements ever inserted / delivered.
+        pending_enqueues / pending_dequeues: blocked attempts (callers waiting).
+        held: elements taken by pending dequeues that are still collecting a batch.
+        pending_close: a ``close()`` waits behind earlier enqueues.
+        dead_letters: elements that failed to decode and were set aside.
+    """
+
+    name: str
+    container: str
+    spec: QueueSpec
+    size: int
+    closed: bool
+    enqueued_total: int
+    dequeued_total: int
+    pending_enqueues: int
+    pending_dequeues: int
+    held: int
+    pending_close: bool
+    dead_letters: int
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "spec"}
+        d.update(self.spec.describe())
+        return d
+
+
+class _Waiters:
+    """The attempts of one client that are blocked right now, so that closing the client
+    can wake them with CancelledError (TF: Session.close cancels pending ops)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.blocked: dict[str, tuple[list[str], str, asyncio.Event]] = {}
+        client.on_close(self.cancel_all)
+
+    async def cancel_all(self) -> None:
+        for aid, (qkeys, entry, done) in list(self.blocked.items()):
+            await self.client.run_script("abort", qkeys, [LEASE_MS, entry, aid, "kill"])
+            try:
+                await asyncio.wait_for(done.wait(), timeout=BLOCK_SECONDS + 2)
+            except asyncio.TimeoutError:
+                log.warning("blocked call %s did not finish after its client closed", aid)
+
+
+_waiters: dict[int, _Waiters] = {}
+
+
+def _waiters_of(client: Client) -> _Waiters:
+    w = _waiters.get(id(client))
+    if w is None or w.client is not client:
+        w = _waiters[id(client)] = _Waiters(client)
+    return w
+
+
+_default_client: Client | None = None
+_default_lock: asyncio.Lock | None = None
+
+
+async def default_client() -> Client:
+    """The process-wide client used by queues created without ``client=``.
+
+    It connects to ``$QPS_REDIS_URL`` or the local embedded server (see
+    :func:`qps.transport.connect`).
+    """
+    global _default_client, _default_lock
+    if _default_client is not None and not _default_client.closed:
+        return _default_client
+    if _default_lock is None:
+        _default_lock = asyncio.Lock()
+    async with _default_lock:
+        if _default_client is None or _default_client.closed:
+            from qps.transport import connect
+
+            _default_client = await connect()
+    return _default_client
+
+
+class QueueBase:
+    """Behaviour common to every queue type; use a subclass."""
+
+    KIND: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        spec: QueueSpec,
+        *,
+        shared_name: str | None,
+        name: str,
+        container: str | None,
+        client: Client | None,
+    ) -> None:
+        self._spec = spec
+        self._container = keys.check_container(container or keys.DEFAULT_CONTAINER)
+        self._client = client
+        self._shared = shared_name is not None
+        if shared_name is not None:
+            self._name = keys.check_name(shared_name)
+        else:
+            # private to this object, like a TF queue without shared_name
+            self._name = keys.check_name(f"_{os.getpid()}_{id(self):x}_{name}")
+        prefix = keys.queue_prefix(self._container, self._name)
+        self._prefix = prefix
+        self._keys = [prefix + s for s in ("meta", "items", "ew", "dw", "lease")]
+        self._opened = False
+        self._forget = ""  # id of our last delivery record, dropped with the next call
+        self._fixed = spec.fully_defined
+
+    # -- properties -----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The queue's name (its ``shared_name``, or a generated private one)."""
+        return self._name
+
+    @property
+    def container(self) -> str:
+        return self._container
+
+    @property
+    def spec(self) -> QueueSpec:
+        return self._spec
+
+    @property
+    def dtypes(self) -> list[np.dtype[Any]]:
+        return list(self._spec.dtypes)
+
+    @property
+    def shapes(self) -> list[Shape] | None:
+        return None if self._spec.shapes is None else list(self._spec.shapes)
+
+    @property
+    def names(self) -> list[str] | None:
+        return None if self._spec.names is None else list(self._spec.names)
+
+    @property
+    def capacity(self) -> int:
+        return self._spec.capacity
+
+    def __repr__(self) -> str:
+        return (
+            f"<qps.{self._spec.class_name} {self._container}/{self._name} "
+            f"capacity={self._spec.capacity}>"
+        )
+
+    # -- opening ----------------------------------------------------------------
+    async def _c(self) -> Client:
+        if self._client is None:
+            self._client = await default_client()
+        if not self._opened:
+            await self._open(self._client)
+        return self._client
+
+    async def _open(self, client: Client) -> None:
+        seed = self._spec.seed
+        if seed is None:
+            rng_seed = int.from_bytes(os.urandom(4), "little") % 2147483646 + 1
+        else:
+            rng_seed = int(seed) % 2147483646 + 1
+        reply = await client.run_script(
+            "create",
+            self._keys,
+            [
+                LEASE_MS,
+                self._spec.kind,
+                self._spec.to_json(),
+                self._spec.capacity,
+                self._spec.min_after_dequeue,
+                rng_seed,
+            ],
+        )
+        if reply[0] == b"exists":
+            existing = QueueSpec.from_json(reply[1])
+            self._spec.check_same(existing, self._name)
+        from qps.transport import map_errors
+
+        with map_errors():
+            pipe = client.commands.pipeline(transaction=False)
+            pipe.sadd(keys.CONTAINERS, self._container)
+            pipe.sadd(keys.container_queues(self._container), self._name)
+            await pipe.execute()
+        if not self._shared:
+            client.on_close(self._drop_private)
+        self._opened = True
+
+    async def _drop_private(self) -> None:
+        assert self._client is not None
+        await delete_queue(self._client, self._name, self._container)
+
+    # -- input checking -----------------------------------------------------------
+    def _components(self, vals: Any) -> list[Any]:
+        names = self._spec.names
+        if names is not None:
+            if not isinstance(vals, Mapping):
+                raise InvalidArgumentError("You must enqueue a dictionary in a Queue with names")
+            if set(vals) != set(names):
+                raise InvalidArgumentError(
+                    f"Keys in dictionary to enqueue do not match names of Queue. "
+                    f"Dictionary: {sorted(vals)}, Queue: {sorted(names)}"
+                )
+            return [vals[n] for n in names]
+        if isinstance(vals, Mapping):
+            raise InvalidArgumentError("Queue must have names to enqueue a dictionary")
+        if not isinstance(vals, (list, tuple)):
+            vals = [vals]
+        if len(vals) != len(self._spec.dtypes):
+            # TF silently drops extra components (issue #13580); qps refuses both ways.
+            raise InvalidArgumentError(
+                f"Signature mismatch: the queue has {len(self._spec.dtypes)} components, "
+                f"got {len(vals)} values"
+            )
+        return list(vals)
+
+    @staticmethod
+    def _convert(value: Any, dtype: np.dtype[Any], index: int) -> np.ndarray:
+        if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):
+            value = value.get()
+        if isinstance(value, (np.ndarray, np.generic)):
+            arr = np.asarray(value)
+            if arr.dtype != dtype:
+                raise InvalidArgumentError(
+                    f"Type mismatch in tuple component {index}: expected {dtype.name}, "
+                    f"got {arr.dtype.name}"
+                )
+            return arr
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgumentError(f"component {index}: cannot convert {value!r}") from exc
+        if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, dtype, "same_kind"):
+            raise InvalidArgumentError(
+                f"Type mismatch in tuple component {index}: expected {dtype.name}, "
+                f"got {value!r} ({arr.dtype.name})"
+            )
+        return arr.astype(dtype, copy=False)
+
+    def _check_shape(self, arr: np.ndarray, index: int, batch: int | None) -> None:
+        shapes = self._spec.shapes
+        if shapes is None:
+            return
+        want = shapes[index]
+        got = arr.shape if batch is None else arr.shape[1:]
+        ok = len(got) == len(want) and all(w is None or w == g for w, g in zip(want, got))
+        if not ok:
+            full = want if batch is None else (None if batch < 0 else batch, *want)
+            raise InvalidArgumentError(
+                f"Shape mismatch in tuple component {index}. Expected {format_shape(full)}, "
+                f"got {format_shape(arr.shape)}"
+            )
+
+    def _prepare_one(self, vals: Any) -> list[np.ndarray]:
+        comps = self._components(vals)
+        arrays = []
+        for i, (v, dt) in enumerate(zip(comps, self._spec.dtypes)):
+            arr = self._convert(v, dt, i)
+            self._check_shape(arr, i, None)
+            arrays.append(arr)
+        return arrays
+
+    def _prepare_many(self, vals: Any) -> tuple[list[np.ndarray], int]:
+        comps = self._components(vals)
+        arrays = []
+        batch = -1
+        for i, (v, dt) in enumerate(zip(comps, self._spec.dtypes)):
+            arr = self._convert(v, dt, i)
+            if arr.ndim == 0:
+                raise InvalidArgumentError(
+                    f"enqueue_many needs a batch dimension; component {i} is a scalar"
+                )
+            if batch < 0:
+                batch = arr.shape[0]
+            elif arr.shape[0] != batch:
+                raise InvalidArgumentError(
+                    "All input tensors must have the same size in the 0th dimension. "
+                    f"Component {i} has {arr.shape[0]}, and should have {batch}"
+                )
+            self._check_shape(arr, i, batch)
+            arrays.append(arr)
+        return arrays, batch
+
+    def _encode_rows(self, arrays: list[np.ndarray], batch: int) -> list[Any]:
+        if self._fixed:
+            assert self._spec.shapes is not None
+            return wire.encode_rows(arrays, self._spec.dtypes, self._spec.shapes)
+        return [wire.encode([a[i] for a in arrays]) for i in range(batch)]
+
+    # -- output -------------------------------------------------------------------
+    def _format(self, arrays: list[np.ndarray]) -> Element:
+        names = self._spec.names
+        if names is not None:
+            return dict(zip(names, arrays))
+        if len(arrays) == 1:
+            return arrays[0]
+        return arrays
+
+    def _check_element(self, arrays: list[np.ndarray]) -> None:
+        spec = self._spec
+        if len(arrays) != len(spec.dtypes):
+            raise DataLossError(
+                f"element has {len(arrays)} components, the queue has {len(spec.dtypes)}"
+            )
+        for i, (a, dt) in enumerate(zip(arrays, spec.dtypes)):
+            if a.dtype != dt:
+                raise DataLossError(f"component {i} is {a.dtype.name}, the queue holds {dt.name}")
+            if spec.shapes is not None:
+                want = spec.shapes[i]
+                if len(want) != a.ndim or any(
+                    w is not None and w != g for w, g in zip(want, a.shape)
+                ):
+                    raise DataLossError(
+                        f"component {i} has shape {format_shape(a.shape)}, the queue "
+                        f"holds {format_shape(want)}"
+                    )
+
+    def _decode_one(self, blob: bytes) -> list[np.ndarray]:
+        arrays = wire.decode(blob).arrays
+        self._check_element(arrays)
+        return arrays
+
+    def _split_bad(self, blobs: list[bytes]) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
+        good, bad = [], []
+        for b in blobs:
+            try:
+                good.append(self._decode_one(b))
+            except DataLossError as exc:
+                bad.append((b, str(exc)))
+        return good, bad
+
+    def _batch(self, elements: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Stack decoded elements into batch arrays (PaddingFIFOQueue overrides)."""
+        ncomp = len(self._spec.dtypes)
+        if not elements:
+            assert self._spec.shapes is not None
+            return [
+                np.empty((0, *s), dtype=dt)  # type: ignore[misc]
+                for s, dt in zip(self._spec.shapes, self._spec.dtypes)
+            ]
+        return [np.stack([e[j] for e in elements]) for j in range(ncomp)]
+
+    async def _quarantine(self, client: Client, bad: list[tuple[bytes, str]]) -> None:
+        records = [
+            msgpack.packb(
+                {"reason": reason, "data": blob, "time": time.time(), "by": client.client_id},
+                use_bin_type=True,
+            )
+            for blob, reason in bad
+        ]
+        for _, reason in bad:
+            log.warning("queue %s/%s: set aside a corrupt element: %s", self._container,
+                        self._name, reason)
+        await client.run_script("quarantine", self._keys, [LEASE_MS, *records])
+
+    # -- the attempt loop ---------------------------------------------------------
+    async def _attempt(
+        self, client: Client, script: str, entry: str, aid: str, args: list[Any],
+        timeout: float | None, what: str,
+    ) -> list[Any]:
+        """Run one attempt to completion; returns the final reply."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+        wake = f"{self._prefix}a:{aid}:w"
+        waiters = _waiters_of(client)
+        done = asyncio.Event()
+        try:
+            reply: list[Any] = await client.run_script(script, self._keys, [LEASE_MS, entry, aid, *args])
+            self._forget = ""
+            while reply[0] in (b"wait", b"pending"):
+                if deadline is None:
+                    block = BLOCK_SECONDS
+                else:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        reply = await client.run_script(
+                            "abort", self._keys, [LEASE_MS, entry, aid, "timeout"]
+                        )
+                        if reply[0] in (b"aborted", b"cancelled"):
+                            raise DeadlineExceededError(
+                                f"Timed out after {timeout} s waiting to {what} "
+                                f"{self._spec.class_name} '{self._name}'"
+                            )
+                        break
+                    block = min(BLOCK_SECONDS, remaining)
+                waiters.blocked[aid] = (self._keys, entry, done)
+                reply = await client.wait_then_script(
+                    wake, block, "collect", self._keys, [LEASE_MS, entry, aid, self._forget]
+                )
+                self._forget = ""
+        except asyncio.CancelledError:
+            await asyncio.shield(
+                client.run_script("abort", self._keys, [LEASE_MS, entry, aid, "cancel"])
+            )
+            raise
+        finally:
+            waiters.blocked.pop(aid, None)
+            done.set()
+        status = reply[0]
+        if status in (b"cancelled", b"aborted"):
+            verb = "Dequeue" if what == "dequeue" else "Enqueue"
+            raise CancelledError(f"{verb} operation was cancelled")
+        if status == b"gone":
+            raise NotFoundError(
+                f"{self._spec.class_name} '{self._name}' no longer exists in container "
+                f"'{self._container}' (was it reset?)"
+            )
+        if status == b"expired":
+            raise AbortedError(
+                f"the {what} attempt on '{self._name}' was taken for dead (its lease of "
+                f"{LEASE_MS} ms ran out while the event loop was stalled) and undone"
+            )
+        return reply
+
+    # -- enqueue ------------------------------------------------------------------
+    async def _enqueue_blobs(self, blobs: Sequence[Any], timeout: float | None, nowait: bool) -> None:
+        client = await self._c()
+        aid = client.new_id()
+        reply = await self._attempt(
+            client, "enqueue", f"e|{aid}", aid, ["1" if nowait else "0", *blobs], timeout,
+            "enqueue",
+        )
+        status = reply[0]
+        if status == b"ok":
+            return
+        if status == b"closed":
+            raise CancelledError(f"{self._spec.class_name} '{self._name}' is closed.")
+        if status == b"wouldblock":
+            raise WouldBlockError(
+                f"{self._spec.class_name} '{self._name}' has no room for "
+                f"{len(blobs)} element(s) now"
+            )
+        raise AbortedError(f"unexpected enqueue reply {status!r}")
+
+    async def enqueue(self, vals: Any, *, timeout: float | None = None) -> None:
+        """Insert one element, blocking while the queue is full.
+
+        ``vals``: one value per component (a list/tuple, a single array for a
+        one-component queue, or a dict for a queue with ``names``).
+
+        Raises:
+            InvalidArgumentError: wrong dtype, shape or number of components (nothing
+                is inserted).
+            CancelledError: the queue is closed, or the call was cancelled by
+                ``close(cancel_pending_enqueues=True)`` or by closing the client.
+            DeadlineExceededError: ``timeout`` seconds passed; nothing was inserted.
+        """
+        arrays = self._prepare_one(vals)
+        await self._enqueue_blobs([wire.encode(arrays)], timeout, False)
+
+    async def enqueue_nowait(self, vals: Any) -> None:
+        """:meth:`enqueue` that never waits.
+
+        Raises:
+            WouldBlockError: the queue is full or other enqueues are waiting; nothing changed.
+            InvalidArgumentError, CancelledError: as :meth:`enqueue`.
+        """
+        arrays = self._prepare_one(vals)
+        await self._enqueue_blobs([wire.encode(arrays)], None, True)
+
+    async def enqueue_many(self, vals: Any, *, timeout: float | None = None) -> None:
+        """Insert the slices of a batch (dimension 0) as separate elements, in order.
+
+        Inserts what fits and blocks for the rest, so it can move more elements than
+        the capacity while consumers run. A batch of 0 does nothing, even on a closed queue.
+
+        Raises:
+            InvalidArgumentError: components disagree on dimension 0, or wrong dtype/shape.
+            CancelledError: the queue is closed (or gets closed with cancel while this
+                call waits: the prefix already inserted stays).
+            DeadlineExceededError: ``timeout`` passed; the prefix already inserted stays.
+        """
+        arrays, batch = self._prepare_many(vals)
+        if batch == 0:
+            return
+        await self._enqueue_blobs(self._encode_rows(arrays, batch), timeout, False)
+
+    async def enqueue_many_nowait(self, vals: Any) -> None:
+        """:meth:`enqueue_many` that inserts all of the batch at once, or nothing.
+
+        Raises:
+            WouldBlockError: not enough room now; nothing changed.
+        """
+        arrays, batch = self._prepare_many(vals)
+        if batch == 0:
+            return
+        await self._enqueue_blobs(self._encode_rows(arrays, batch), None, True)
+
+    # -- dequeue ------------------------------------------------------------------
+    async def _take(
+        self, n: int, mode: str, timeout: float | None, nowait: bool
+    ) -> list[list[np.ndarray]]:
+        """Take ``n`` good elements (fewer for a closed ``upto``), decoded."""
+        client = await self._c()
+        got: list[list[np.ndarray]] = []
+        while True:
+            need = n - len(got)
+            aid = client.new_id()
+            try:
+                reply = await self._attempt(
+                    client, "dequeue", f"d|{need}|{mode}|{aid}", aid,
+                    [need, mode, "1" if nowait else "0", self._forget], timeout, "dequeue",
+                )
+            except BaseException:
+                if got:
+                    await self._give_back(client, got)
+                raise
+            status = reply[0]
+            if status == b"ok":
+                self._forget = aid
+                good, bad = self._decode_blobs(reply[1])
+                got.extend(good)
+                if bad:
+                    await self._quarantine(client, bad)
+                if len(got) >= n or (mode == "upto" and got and len(reply[1]) < need):
+                    return got
+                continue
+            if got and mode == "upto" and status.startswith(b"oor"):
+                return got
+            if got:
+                await self._give_back(client, got)
+            if status.startswith(b"oor"):
+                size = int(status.split(b":")[1]) + len(got)
+                raise OutOfRangeError(
+                    f"{self._spec.class_name} '{self._name}' is closed and has insufficient "
+                    f"elements (requested {n}, current size {size})"
+                )
+            if status == b"wouldblock":
+                raise WouldBlockError(
+                    f"{self._spec.class_name} '{self._name}' cannot give {n} element(s) now"
+                )
+            raise AbortedError(f"unexpected dequeue reply {status!r}")
+
+    def _decode_blobs(self, blobs: list[bytes]) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
+        return self._split_bad(blobs)
+
+    async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
+        blobs = [wire.encode(e) for e in elements]
+        await client.run_script("requeue", self._keys, [LEASE_MS, *blobs])
+
+    def _check_many(self, n: int, op: str) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise InvalidArgumentError(f"{op} needs an integer count, got {n!r}")
+        if n < 0:
+            raise InvalidArgumentError(f"{op} requested {n} < 0 elements")
+        if self._spec.shapes is None:
+            raise InvalidArgumentError(
+                f"{self._spec.class_name}'s DequeueMany and DequeueUpTo require the "
+                "components to have specified shapes."
+            )
+
+    async def dequeue(self, *, timeout: float | None = None) -> Element:
+        """Remove and return one element, blocking while none may be taken.
+
+        Returns an array (one component), a list (several) or a dict (``names``).
+
+        Raises:
+            OutOfRangeError: the queue is closed and empty.
+            CancelledError: the client was closed while this call waited.
+            DeadlineExceededError: ``timeout`` passed; the queue is unchanged.
+        """
+        got = await self._take(1, "one", timeout, False)
+        return self._format(got[0])
+
+    async def dequeue_nowait(self) -> Element:
+        """:meth:`dequeue` that never waits.
+
+        Raises:
+            WouldBlockError: nothing may be taken now; nothing changed.
+            OutOfRangeError: the queue is closed and empty.
+        """
+        got = await self._take(1, "one", None, True)
+        return self._format(got[0])
+
+    async def dequeue_many(self, n: int, *, timeout: float | None = None) -> Element:
+        """Remove exactly ``n`` elements, stacked along a new dimension 0.
+
+        Collects incrementally (``n`` may exceed the capacity). ``n == 0`` returns empty
+        arrays at once, even on a closed queue.
+
+        Raises:
+            InvalidArgumentError: ``n < 0``, or the queue has no shapes.
+            OutOfRangeError: the queue is (or gets) closed with fewer than ``n``; the
+                elements this call had collected go back to the front, in order.
+            DeadlineExceededError: ``timeout`` passed; collected elements go back too.
+        """
+        self._check_many(n, "DequeueManyOp")
+        if n == 0:
+            return self._format(self._batch([]))
+        got = await self._take(int(n), "many", timeout, False)
+        return self._format(self._batch(got))
+
+    async def dequeue_many_nowait(self, n: int) -> Element:
+        """:meth:`dequeue_many` that never waits.
+
+        Raises:
+            WouldBlockError: fewer than ``n`` may be taken now; nothing changed.
+        """
+        self._check_many(n, "DequeueManyOp")
+        if n == 0:
+            return self._format(self._batch([]))
+        got = await self._take(int(n), "many", None, True)
+        return self._format(self._batch(got))
+
+    async def dequeue_up_to(self, n: int, *, timeout: float | None = None) -> Element:
+        """Like :meth:`dequeue_many` while the queue is open; once it is closed, return
+        the remaining ``1..n`` elements (a pending call returns its partial batch).
+
+        Raises:
+            InvalidArgumentError: ``n < 0``, or the queue has no shapes.
+            OutOfRangeError: the queue is closed and empty.
+            DeadlineExceededError: ``timeout`` passed; collected elements go back.
+        """
+        self._check_many(n, "DequeueUpToOp")
+        if n == 0:
+            return self._format(self._batch([]))
+        got = await self._take(int(n), "upto", timeout, False)
+        return self._format(self._batch(got))
+
+    async def dequeue_up_to_nowait(self, n: int) -> Element:
+        """Return ``1..n`` elements that may be taken now, without waiting.
+
+        Raises:
+            WouldBlockError: none may be taken now.
+            OutOfRangeError: the queue is closed and empty.
+        """
+        self._check_many(n, "DequeueUpToOp")
+        if n == 0:
+            return self._format(self._batch([]))
+        got = await self._take(int(n), "upto", None, True)
+        return self._format(self._batch(got))
+
+    # -- close / state ------------------------------------------------------------
+    async def close(self, cancel_pending_enqueues: bool = False, *, timeout: float | None = None) -> None:
+        """Close the queue: no more enqueues; dequeues drain what is stored.
+
+        Without ``cancel_pending_enqueues`` the close waits behind enqueues that are
+        already pending (TF semantics) and returns once it has taken effect. With it,
+        the queue closes at once and pending enqueues fail with CancelledError (the
+        prefixes they inserted stay).
+
+        Raises:
+            CancelledError: a plain close of a queue that is already closed.
+            DeadlineExceededError: ``timeout`` passed while the close waited; it is withdrawn.
+        """
+        client = await self._c()
+        aid = client.new_id()
+        reply = await self._attempt(
+            client, "close", f"c|{aid}", aid, ["1" if cancel_pending_enqueues else "0"],
+            timeout, "close",
+        )
+        if reply[0] == b"already":
+            raise CancelledError(f"Queue '{self._name}' is already closed.")
+
+    async def is_closed(self) -> bool:
+        """Whether the close has taken effect."""
+        client = await self._c()
+        from qps.transport import map_errors
+
+        with map_errors():
+            return await client.commands.hget(self._keys[0], "closed") == b"1"
+
+    async def size(self) -> int:
+        """The number of stored elements (not counting those held by pending dequeues)."""
+        client = await self._c()
+        from qps.transport import map_errors
+
+        with map_errors():
+            if self._spec.kind == "shuffle":
+                return int(await client.commands.hget(self._keys[0], "n") or 0)
+            return int(await client.commands.llen(self._keys[1]))
+
+    async def stats(self) -> QueueStats:
+        """A snapshot of the queue; changes nothing."""
+        client = await self._c()
+        return await queue_stats(client, self._name, self._container)
+
+    async def peek(self, k: int = 1) -> list[Element]:
+        """Up to ``k`` stored elements, decoded, without removing them (the next ones out
+        for a FIFO queue; any ``k`` for a shuffle queue)."""
+        client = await self._c()
+        blobs = await peek_blobs(client, self._name, self._container, k)
+        return [self._format(self._decode_one(b)) for b in blobs]
+
+
+# -- inspection helpers (used by the CLI) -------------------------------------------------
+
+
+async def queue_stats(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> QueueStats:
+    """Read a queue's :class:`QueueStats` by name.
+
+    Raises:
+        NotFoundError: no such queue in ``container``.
+    """
+    from qps.transport import map_errors
+
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hgetall(prefix + "meta")
+        pipe.llen(prefix + "items")
+        pipe.lrange(prefix + "ew", 0, -1)
+        pipe.lrange(prefix + "dw", 0, -1)
+        pipe.llen(prefix + "dlq")
+        meta, llen, ew, dw, dlq = await pipe.execute()
+        if not meta:
+            raise NotFoundError(f"no queue '{name}' in container '{container}'")
+        held = 0
+        if dw:
+            pipe = client.commands.pipeline(transaction=False)
+            for e in dw:
+                pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
+            held = sum(await pipe.execute())
+    spec = QueueSpec.from_json(meta[b"spec"])
+    size = int(meta.get(b"n", 0)) if spec.kind == "shuffle" else int(llen)
+    return QueueStats(
+        name=name,
+        container=container,
+        spec=spec,
+        size=size,
+        closed=meta.get(b"closed") == b"1",
+        enqueued_total=int(meta.get(b"enq", 0)),
+        dequeued_total=int(meta.get(b"deq", 0)),
+        pending_enqueues=sum(1 for e in ew if e.startswith(b"e|")),
+        pending_dequeues=len(dw),
+        held=held,
+        pending_close=any(e.startswith(b"c|") for e in ew),
+        dead_letters=int(dlq),
+    )
+
+
+async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[bytes]:
+    """The encoded bytes of up to ``k`` stored elements, without removing them."""
+    from qps.transport import map_errors
+
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        kind = await client.commands.hget(prefix + "meta", "kind")
+        if kind is None:
+            raise NotFoundError(f"no queue '{name}' in container '{container}'")
+        if k <= 0:
+            return []
+        if kind == b"shuffle":
+            n = int(await client.commands.hget(prefix + "meta", "n") or 0)
+            fields = list(range(min(k, n)))
+            if not fields:
+                return []
+            return [b for b in await client.commands.hmget(prefix + "items", fields) if b is not None]
+        return list(await client.commands.lrange(prefix + "items", 0, k - 1))
+
+
+async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
+    """Names of the queues registered in ``container``, sorted."""
+    from qps.transport import map_errors
+
+    with map_errors():
+        names = await client.commands.smembers(keys.container_queues(container))
+    return sorted(n.decode() for n in names)
+
+
+async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:
+    """Delete every key of a queue (pending attempts included); returns keys deleted."""
+    from qps.transport import map_errors
+
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        found = [k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)]
+        n = 0
+        for i in range(0, len(found), 500):
+            n += await client.commands.delete(*found[i : i + 500])
+        await client.commands.srem(keys.container_queues(container), name)
+    return int(n)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)

@@ -1,0 +1,493 @@
+"""FIFOQueue against the conformance cases of TF1_SEMANTICS.md §9 (numbers in names)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import qps
+from qps.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    WouldBlockError,
+)
+from tests.conftest import until
+
+I32 = np.int32
+
+
+def fifo(client, capacity=10, dtypes=I32, shapes=(), **kw):
+    return qps.FIFOQueue(capacity, dtypes, shapes=list(shapes) if shapes is not None else None,
+                         client=client, **kw)
+
+
+async def stats(q):
+    return await q.stats()
+
+
+async def test_01_full_queue_blocks_and_timeout_inserts_nothing(client):
+    q = fifo(client, 2)
+    await q.enqueue(1)
+    await q.enqueue(2)
+    with pytest.raises(DeadlineExceededError):
+        await q.enqueue(3, timeout=0.2)
+    assert await q.size() == 2
+    assert [int(await q.dequeue()) for _ in range(2)] == [1, 2]
+    assert await q.size() == 0
+    s = await stats(q)
+    assert s.pending_enqueues == 0 and s.enqueued_total == 2
+
+
+async def test_02_dequeue_order_then_blocks(client):
+    q = fifo(client, 2)
+    await q.enqueue_many(np.array([1, 2], I32))
+    assert int(await q.dequeue()) == 1
+    assert int(await q.dequeue()) == 2
+    with pytest.raises(DeadlineExceededError):
+        await q.dequeue(timeout=0.2)
+    assert (await stats(q)).pending_dequeues == 0
+
+
+async def test_03_unbounded_capacity(client):
+    q = fifo(client, -1)
+    await q.enqueue_many(np.arange(100_000, dtype=I32))
+    assert await q.size() == 100_000
+    assert q.capacity == -1
+    out = await q.dequeue_many(100_000)
+    assert np.array_equal(out, np.arange(100_000, dtype=I32))
+
+
+async def test_04_capacity_zero_blocks_every_enqueue(client):
+    q = fifo(client, 0)
+    with pytest.raises(DeadlineExceededError):
+        await q.enqueue(1, timeout=0.2)
+    assert await q.size() == 0
+
+
+async def test_05_enqueue_many_prefix_stays_after_cancel(client):
+    q = fifo(client, 2)
+    task = asyncio.create_task(q.enqueue_many(np.array([7, 8, 9], I32)))
+    await until(lambda: _pending_enq(q, 1))
+    assert await q.size() == 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await q.size() == 2
+    assert (await stats(q)).pending_enqueues == 0
+    assert list(await q.dequeue_many(2)) == [7, 8]
+    with pytest.raises(DeadlineExceededError):
+        await q.dequeue(timeout=0.2)  # 9 was never inserted
+
+
+async def test_05b_enqueue_many_timeout_keeps_prefix(client):
+    q = fifo(client, 2)
+    with pytest.raises(DeadlineExceededError):
+        await q.enqueue_many(np.array([7, 8, 9], I32), timeout=0.2)
+    assert list(await q.dequeue_many(2)) == [7, 8]
+    assert await q.size() == 0
+
+
+async def test_06_enqueue_many_larger_than_capacity_with_consumer(client):
+    q = fifo(client, 3)
+    producer = asyncio.create_task(q.enqueue_many(np.arange(1, 6, dtype=I32)))
+    got = [int(await q.dequeue(timeout=10)) for _ in range(5)]
+    await producer
+    assert got == [1, 2, 3, 4, 5]
+
+
+async def test_07_dequeue_many_larger_than_capacity(client):
+    q = fifo(client, 2)
+    consumer = asyncio.create_task(q.dequeue_many(5, timeout=10))
+    await q.enqueue_many(np.arange(1, 6, dtype=I32), timeout=10)
+    assert list(await consumer) == [1, 2, 3, 4, 5]
+
+
+async def test_08_dequeue_many_zero(client):
+    q = fifo(client, 2, np.float32, shapes=[[3]])
+    out = await q.dequeue_many(0)
+    assert out.shape == (0, 3) and out.dtype == np.float32
+    await q.close()
+    assert (await q.dequeue_many(0)).shape == (0, 3)
+    assert (await q.dequeue_up_to(0)).shape == (0, 3)
+
+
+async def test_09_negative_count(client):
+    q = fifo(client)
+    with pytest.raises(InvalidArgumentError, match="requested -1 < 0"):
+        await q.dequeue_many(-1)
+    with pytest.raises(InvalidArgumentError):
+        await q.dequeue_up_to(-1)
+
+
+async def test_10_empty_enqueue_many_on_closed_queue(client):
+    q = fifo(client)
+    await q.close()
+    await q.enqueue_many(np.array([], I32))
+    assert await q.size() == 0
+
+
+async def test_11_dequeue_many_needs_shapes(client):
+    q = qps.FIFOQueue(5, I32, client=client)
+    await q.enqueue(1)
+    with pytest.raises(InvalidArgumentError, match="require the components to have specified shapes"):
+        await q.dequeue_many(1)
+    with pytest.raises(InvalidArgumentError, match="specified shapes"):
+        await q.dequeue_up_to(1)
+    assert int(await q.dequeue()) == 1  # a single dequeue works without shapes
+
+
+async def test_12_closed_dequeue_many_insufficient(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    await q.close()
+    with pytest.raises(OutOfRangeError, match=r"requested 3, current size 2"):
+        await q.dequeue_many(3)
+    assert await q.size() == 2
+
+
+async def test_13_closed_dequeue_up_to(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    await q.close()
+    assert list(await q.dequeue_up_to(3)) == [1, 2]
+    with pytest.raises(OutOfRangeError):
+        await q.dequeue_up_to(3)
+
+
+async def test_14_closed_empty_dequeue(client):
+    q = fifo(client)
+    await q.close()
+    with pytest.raises(OutOfRangeError, match=r"is closed and has insufficient elements \(requested 1, current size 0\)"):
+        await q.dequeue()
+
+
+async def test_15_pending_up_to_returns_partial_on_close(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    task = asyncio.create_task(q.dequeue_up_to(3))
+    await until(lambda: _held(q, 2))
+    assert await q.size() == 0
+    await q.close()
+    assert list(await task) == [1, 2]
+
+
+async def test_16_pending_dequeue_many_restores_on_close(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    task = asyncio.create_task(q.dequeue_many(3))
+    await until(lambda: _held(q, 2))
+    assert await q.size() == 0  # held elements do not count
+    await q.close()
+    with pytest.raises(OutOfRangeError):
+        await task
+    assert await q.size() == 2
+    assert list(await q.dequeue_up_to(3)) == [1, 2]
+
+
+async def test_17_head_of_line_blocking(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    many = asyncio.create_task(q.dequeue_many(3))
+    await until(lambda: _held(q, 2))
+    one = asyncio.create_task(q.dequeue())
+    await until(lambda: _pending_deq(q, 2))
+    await q.enqueue(3)
+    assert list(await many) == [1, 2, 3]
+    assert not one.done() or int(one.result()) == 4
+    await q.enqueue(4)
+    assert int(await one) == 4
+
+
+async def test_18_enqueue_after_close(client):
+    q = fifo(client)
+    await q.close()
+    with pytest.raises(CancelledError, match="is closed"):
+        await q.enqueue(1)
+    with pytest.raises(CancelledError, match="is closed"):
+        await q.enqueue_many(np.array([1], I32))
+
+
+async def test_19_second_close(client):
+    q = fifo(client)
+    await q.close()
+    with pytest.raises(CancelledError, match="already closed"):
+        await q.close()
+    await q.close(cancel_pending_enqueues=True)  # no error
+    assert await q.is_closed()
+
+
+async def test_20_close_waits_behind_pending_enqueue(client):
+    q = fifo(client, 1)
+    await q.enqueue(1)
+    enq = asyncio.create_task(q.enqueue(2))
+    await until(lambda: _pending_enq(q, 1))
+    closer = asyncio.create_task(q.close())
+    await until(lambda: _pending_close(q))
+    assert not await q.is_closed()
+    late = asyncio.create_task(q.enqueue(3))  # queued behind the pending close
+    await until(lambda: _pending_enq(q, 2))
+    assert int(await q.dequeue()) == 1
+    await enq
+    await closer
+    assert await q.is_closed()
+    with pytest.raises(CancelledError, match="is closed"):
+        await late
+    assert int(await q.dequeue()) == 2
+    with pytest.raises(OutOfRangeError):
+        await q.dequeue()
+
+
+async def test_21_close_with_cancel(client):
+    q = fifo(client, 1)
+    await q.enqueue(1)
+    enq = asyncio.create_task(q.enqueue(2))
+    await until(lambda: _pending_enq(q, 1))
+    await q.close(cancel_pending_enqueues=True)
+    with pytest.raises(CancelledError, match="Enqueue operation was cancelled"):
+        await enq
+    assert int(await q.dequeue()) == 1
+    with pytest.raises(OutOfRangeError):
+        await q.dequeue()
+
+
+async def test_22_close_cancel_keeps_enqueue_many_prefix(client):
+    q = fifo(client, 2)
+    enq = asyncio.create_task(q.enqueue_many(np.arange(4, dtype=I32)))
+    await until(lambda: _pending_enq(q, 1))
+    await q.close(cancel_pending_enqueues=True)
+    with pytest.raises(CancelledError):
+        await enq
+    assert await q.size() == 2
+
+
+async def test_23_pending_dequeue_gets_out_of_range_on_close(client):
+    q = fifo(client)
+    task = asyncio.create_task(q.dequeue())
+    await until(lambda: _pending_deq(q, 1))
+    await q.close()
+    with pytest.raises(OutOfRangeError):
+        await task
+
+
+async def test_24_client_close_cancels_pending_dequeue(make_client):
+    a = await make_client()
+    b = await make_client()
+    qa = qps.FIFOQueue(5, I32, shapes=[[]], shared_name="q24", client=a)
+    qb = qps.FIFOQueue(5, I32, shapes=[[]], shared_name="q24", client=b)
+    await qb.enqueue(5)
+    await qb.dequeue()
+    task = asyncio.create_task(qa.dequeue())
+    await until(lambda: _pending_deq(qb, 1))
+    await a.close()
+    with pytest.raises(CancelledError, match="Dequeue operation was cancelled"):
+        await task
+    s = await qb.stats()
+    assert s.pending_dequeues == 0
+    await qb.enqueue(6)
+    assert int(await qb.dequeue()) == 6
+
+
+async def test_25_is_closed_and_size(client):
+    q = fifo(client)
+    assert await q.is_closed() is False
+    await q.enqueue(1)
+    size = await q.size()
+    assert size == 1 and isinstance(size, int)
+    await q.close()
+    assert await q.is_closed() is True
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+async def test_26_shape_mismatch(client):
+    q = qps.FIFOQueue(5, [I32, np.float32], shapes=[[], [2]], client=client)
+    with pytest.raises(InvalidArgumentError, match=r"Shape mismatch in tuple component 1. Expected \[2\], got \[3\]"):
+        await q.enqueue([1, np.zeros(3, np.float32)])
+    assert await q.size() == 0
+
+
+async def test_27_enqueue_many_shape_mismatch(client):
+    q = qps.FIFOQueue(5, [I32, np.float32], shapes=[[], [2]], client=client)
+    with pytest.raises(InvalidArgumentError, match=r"Expected \[2,2\], got \[1,2\]|same size in the 0th"):
+        await q.enqueue_many([np.array([1, 2], I32), np.zeros((1, 2), np.float32)])
+    with pytest.raises(InvalidArgumentError, match=r"Expected \[2,2\], got \[2,3\]"):
+        await q.enqueue_many([np.array([1, 2], I32), np.zeros((2, 3), np.float32)])
+    assert await q.size() == 0
+
+
+async def test_28_batch_dim_mismatch_without_shapes(client):
+    q = qps.FIFOQueue(5, [I32, I32], client=client)
+    with pytest.raises(InvalidArgumentError, match="All input tensors must have the same size in the 0th dimension. Component 1 has 3, and should have 2"):
+        await q.enqueue_many([np.zeros(2, I32), np.zeros(3, I32)])
+
+
+def test_29_shapes_must_be_fully_defined():
+    with pytest.raises(InvalidArgumentError, match="All shapes must be fully defined"):
+        qps.FIFOQueue(5, I32, shapes=[[None]])
+
+
+async def test_30_named_queue(client):
+    q = qps.FIFOQueue(5, [I32, np.float32], shapes=[[], []], names=["a", "b"], client=client)
+    with pytest.raises(InvalidArgumentError, match="Keys in dictionary to enqueue do not match names"):
+        await q.enqueue({"a": 1})
+    with pytest.raises(InvalidArgumentError, match="must enqueue a dictionary"):
+        await q.enqueue([1, 2.0])
+    await q.enqueue({"a": 1, "b": 2.5})
+    out = await q.dequeue()
+    assert set(out) == {"a", "b"} and int(out["a"]) == 1 and float(out["b"]) == 2.5
+    unnamed = fifo(client)
+    with pytest.raises(InvalidArgumentError, match="must have names"):
+        await unnamed.enqueue({"a": 1})
+
+
+async def test_31_arity_mismatch_rejected_both_ways(client):
+    q = qps.FIFOQueue(5, [I32, I32], shapes=[[], []], client=client)
+    with pytest.raises(InvalidArgumentError, match="Signature mismatch"):
+        await q.enqueue([1])
+    with pytest.raises(InvalidArgumentError, match="Signature mismatch"):
+        await q.enqueue([1, 2, 3])  # TF silently drops the 3rd (issue #13580)
+    assert await q.size() == 0
+
+
+async def test_32_shared_spec_mismatch(client):
+    await qps.FIFOQueue(5, I32, shapes=[[]], shared_name="shq", client=client).size()
+    with pytest.raises(InvalidArgumentError, match="Shared queue 'shq' has capacity 5 but requested capacity was 10"):
+        await qps.FIFOQueue(10, I32, shapes=[[]], shared_name="shq", client=client).size()
+    with pytest.raises(InvalidArgumentError, match="component types int32 but requested component types were float32"):
+        await qps.FIFOQueue(5, np.float32, shapes=[[]], shared_name="shq", client=client).size()
+    with pytest.raises(InvalidArgumentError, match=r"component shapes \[\[\]\] but requested component shapes were \[\[2\]\]"):
+        await qps.FIFOQueue(5, I32, shapes=[[2]], shared_name="shq", client=client).size()
+    with pytest.raises(InvalidArgumentError, match="expected RandomShuffleQueue, found FIFOQueue"):
+        await qps.RandomShuffleQueue(5, 0, I32, shapes=[[]], shared_name="shq", client=client).size()
+
+
+# -- beyond the numbered cases --------------------------------------------------------------
+
+
+async def test_dtype_rules(client):
+    q = qps.FIFOQueue(5, [I32, np.float32], shapes=[[], []], client=client)
+    with pytest.raises(InvalidArgumentError, match="expected int32"):
+        await q.enqueue([1.5, 1.0])  # a float literal for int32 (TF: TypeError)
+    with pytest.raises(InvalidArgumentError, match="expected int32, got int64"):
+        await q.enqueue([np.int64(1), 1.0])  # an array of another dtype
+    await q.enqueue([1, 2])  # Python int into float32 converts
+    a, b = await q.dequeue()
+    assert a.dtype == I32 and b.dtype == np.float32 and float(b) == 2.0
+    assert await q.size() == 0
+
+
+async def test_output_formats(client):
+    one = fifo(client)
+    await one.enqueue(np.int32(4))
+    out = await one.dequeue()
+    assert isinstance(out, np.ndarray) and out.shape == () and out == 4
+    two = qps.FIFOQueue(5, [I32, np.float64], shapes=[[2], []], client=client)
+    await two.enqueue_many([np.array([[1, 2], [3, 4]], I32), np.array([0.5, 1.5])])
+    x, y = await two.dequeue_many(2)
+    assert x.tolist() == [[1, 2], [3, 4]] and y.tolist() == [0.5, 1.5]
+
+
+async def test_nowait_twins(client):
+    q = fifo(client, 2)
+    with pytest.raises(WouldBlockError):
+        await q.dequeue_nowait()
+    await q.enqueue_nowait(1)
+    with pytest.raises(WouldBlockError):
+        await q.enqueue_many_nowait(np.array([2, 3], I32))  # all or nothing
+    assert await q.size() == 1
+    await q.enqueue_many_nowait(np.array([2], I32))
+    with pytest.raises(WouldBlockError):
+        await q.enqueue_nowait(3)
+    with pytest.raises(WouldBlockError):
+        await q.dequeue_many_nowait(3)
+    assert list(await q.dequeue_up_to_nowait(5)) == [1, 2]
+    with pytest.raises(WouldBlockError):
+        await q.dequeue_up_to_nowait(5)
+    await q.close()
+    with pytest.raises(OutOfRangeError):
+        await q.dequeue_nowait()
+
+
+async def test_dequeue_timeout_restores_partial_batch(client):
+    # qps differs from TF on purpose (§10.2): nothing collected is lost on a timeout.
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    with pytest.raises(DeadlineExceededError):
+        await q.dequeue_many(3, timeout=0.3)
+    assert await q.size() == 2
+    assert list(await q.dequeue_many(2)) == [1, 2]
+
+
+async def test_cancelled_dequeue_many_restores_partial_batch(client):
+    q = fifo(client)
+    await q.enqueue_many(np.array([1, 2], I32))
+    task = asyncio.create_task(q.dequeue_many(3))
+    await until(lambda: _held(q, 2))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    s = await q.stats()
+    assert s.size == 2 and s.pending_dequeues == 0 and s.held == 0
+    assert list(await q.dequeue_many(2)) == [1, 2]
+
+
+async def test_shared_between_clients_and_wakeup(make_client):
+    a = await make_client()
+    b = await make_client()
+    qa = qps.FIFOQueue(5, np.float32, shapes=[[3]], shared_name="shared", client=a)
+    qb = qps.FIFOQueue(5, np.float32, shapes=[[3]], shared_name="shared", client=b)
+    waiter = asyncio.create_task(qa.dequeue(timeout=20))
+    await until(lambda: _pending_deq(qb, 1))
+    await qb.enqueue(np.array([1, 2, 3], np.float32))
+    assert (await waiter).tolist() == [1.0, 2.0, 3.0]
+
+
+async def test_private_queues_are_distinct(client):
+    a, b = fifo(client), fifo(client)
+    assert a.name != b.name
+    await a.enqueue(1)
+    assert await b.size() == 0
+
+
+async def test_containers_isolate(client):
+    a = qps.FIFOQueue(5, I32, shared_name="same", container="jobA", client=client)
+    b = qps.FIFOQueue(5, I32, shared_name="same", container="jobB", client=client)
+    await a.enqueue(1)
+    assert await b.size() == 0 and await a.size() == 1
+
+
+async def test_stats_and_peek(client):
+    q = fifo(client, 4, shared_name="st")
+    await q.enqueue_many(np.array([5, 6, 7], I32))
+    assert [int(x) for x in await q.peek(2)] == [5, 6]
+    s = await q.stats()
+    assert (s.size, s.enqueued_total, s.dequeued_total, s.closed) == (3, 3, 0, False)
+    await q.dequeue()
+    s = await q.stats()
+    assert (s.size, s.dequeued_total) == (2, 1)
+    assert s.as_dict()["type"] == "FIFOQueue"
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+async def _pending_enq(q, n):
+    return (await q.stats()).pending_enqueues == n
+
+
+async def _pending_deq(q, n):
+    return (await q.stats()).pending_dequeues == n
+
+
+async def _pending_close(q):
+    return (await q.stats()).pending_close
+
+
+async def _held(q, n):
+    s = await q.stats()
+    return s.pending_dequeues >= 1 and s.held == n
