@@ -548,8 +548,9 @@ class QueueBase:
     # -- dequeue ------------------------------------------------------------------
     async def _take(
         self, n: int, mode: str, timeout: float | None, nowait: bool
-    ) -> list[list[np.ndarray]]:
-        """Take ``n`` good elements (fewer for a closed ``upto``), decoded."""
+    ) -> list[np.ndarray]:
+        """Take ``n`` good elements (fewer for a closed ``upto``) and return their
+        components: one element's for mode ``one``, else stacked into batch arrays."""
         client = await self._c()
         got: list[list[np.ndarray]] = []
         while True:
@@ -567,15 +568,21 @@ class QueueBase:
             status = reply[0]
             if status == b"ok":
                 self._forget = aid
-                good, bad = self._decode_blobs(reply[1])
+                blobs = reply[1]
+                if self._fixed and len(blobs) > 1 and not got:
+                    assert self._spec.shapes is not None
+                    batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes)  # type: ignore[arg-type]
+                    if batch is not None:
+                        return batch
+                good, bad = self._split_bad(blobs)
                 got.extend(good)
                 if bad:
                     await self._quarantine(client, bad)
-                if len(got) >= n or (mode == "upto" and got and len(reply[1]) < need):
-                    return got
+                if len(got) >= n or (mode == "upto" and got and len(blobs) < need):
+                    return got[0] if mode == "one" else self._batch(got)
                 continue
             if got and mode == "upto" and status.startswith(b"oor"):
-                return got
+                return self._batch(got)
             if got:
                 await self._give_back(client, got)
             if status.startswith(b"oor"):
@@ -590,8 +597,6 @@ class QueueBase:
                 )
             raise AbortedError(f"unexpected dequeue reply {status!r}")
 
-    def _decode_blobs(self, blobs: list[bytes]) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
-        return self._split_bad(blobs)
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
         blobs = [wire.encode(e) for e in elements]
@@ -618,8 +623,7 @@ class QueueBase:
             CancelledError: the client was closed while this call waited.
             DeadlineExceededError: ``timeout`` passed; the queue is unchanged.
         """
-        got = await self._take(1, "one", timeout, False)
-        return self._format(got[0])
+        return self._format(await self._take(1, "one", timeout, False))
 
     async def dequeue_nowait(self) -> Element:
         """:meth:`dequeue` that never waits.
@@ -628,8 +632,7 @@ class QueueBase:
             WouldBlockError: nothing may be taken now; nothing changed.
             OutOfRangeError: the queue is closed and empty.
         """
-        got = await self._take(1, "one", None, True)
-        return self._format(got[0])
+        return self._format(await self._take(1, "one", None, True))
 
     async def dequeue_many(self, n: int, *, timeout: float | None = None) -> Element:
         """Remove exactly ``n`` elements, stacked along a new dimension 0.
@@ -646,8 +649,7 @@ class QueueBase:
         self._check_many(n, "DequeueManyOp")
         if n == 0:
             return self._format(self._batch([]))
-        got = await self._take(int(n), "many", timeout, False)
-        return self._format(self._batch(got))
+        return self._format(await self._take(int(n), "many", timeout, False))
 
     async def dequeue_many_nowait(self, n: int) -> Element:
         """:meth:`dequeue_many` that never waits.
@@ -658,8 +660,7 @@ class QueueBase:
         self._check_many(n, "DequeueManyOp")
         if n == 0:
             return self._format(self._batch([]))
-        got = await self._take(int(n), "many", None, True)
-        return self._format(self._batch(got))
+        return self._format(await self._take(int(n), "many", None, True))
 
     async def dequeue_up_to(self, n: int, *, timeout: float | None = None) -> Element:
         """Like :meth:`dequeue_many` while the queue is open; once it is closed, return
@@ -673,8 +674,7 @@ class QueueBase:
         self._check_many(n, "DequeueUpToOp")
         if n == 0:
             return self._format(self._batch([]))
-        got = await self._take(int(n), "upto", timeout, False)
-        return self._format(self._batch(got))
+        return self._format(await self._take(int(n), "upto", timeout, False))
 
     async def dequeue_up_to_nowait(self, n: int) -> Element:
         """Return ``1..n`` elements that may be taken now, without waiting.
@@ -686,8 +686,7 @@ class QueueBase:
         self._check_many(n, "DequeueUpToOp")
         if n == 0:
             return self._format(self._batch([]))
-        got = await self._take(int(n), "upto", None, True)
-        return self._format(self._batch(got))
+        return self._format(await self._take(int(n), "upto", None, True))
 
     # -- close / state ------------------------------------------------------------
     async def close(self, cancel_pending_enqueues: bool = False, *, timeout: float | None = None) -> None:
@@ -757,21 +756,23 @@ async def queue_stats(client: Client, name: str, container: str = keys.DEFAULT_C
     with map_errors():
         pipe = client.commands.pipeline(transaction=False)
         pipe.hgetall(prefix + "meta")
-        pipe.llen(prefix + "items")
         pipe.lrange(prefix + "ew", 0, -1)
         pipe.lrange(prefix + "dw", 0, -1)
         pipe.llen(prefix + "dlq")
-        meta, llen, ew, dw, dlq = await pipe.execute()
+        meta, ew, dw, dlq = await pipe.execute()
         if not meta:
             raise NotFoundError(f"no queue '{name}' in container '{container}'")
-        held = 0
-        if dw:
-            pipe = client.commands.pipeline(transaction=False)
-            for e in dw:
-                pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
-            held = sum(await pipe.execute())
-    spec = QueueSpec.from_json(meta[b"spec"])
-    size = int(meta.get(b"n", 0)) if spec.kind == "shuffle" else int(llen)
+        spec = QueueSpec.from_json(meta[b"spec"])
+        pipe = client.commands.pipeline(transaction=False)
+        if spec.kind != "shuffle":
+            pipe.llen(prefix + "items")
+        for e in dw:
+            pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
+        counts = await pipe.execute() if len(pipe) else []
+    if spec.kind == "shuffle":
+        size, held = int(meta.get(b"n", 0)), sum(counts)
+    else:
+        size, held = int(counts[0]), sum(counts[1:])
     return QueueStats(
         name=name,
         container=container,

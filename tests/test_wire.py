@@ -1,0 +1,621 @@
+"""Tests of qps.wire, the tensor <-> bytes codec."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from qps import wire
+from qps.errors import DataLossError, InvalidArgumentError
+
+ALL_CODES = ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"]
+ALL_DTYPES = [np.dtype(np.bool_)] + [np.dtype("<" + c) for c in ALL_CODES[1:]]
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def _sample(dt: np.dtype[Any], shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    if dt.kind == "b":
+        raw = raw & 1
+    return raw.view(dt).reshape(shape).copy()
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal dtype (as little-endian), shape and bytes (so NaN payloads count)."""
+    le = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    return (
+        b.dtype == le
+        and a.shape == b.shape
+        and np.ascontiguousarray(a, dtype=le).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
+
+
+def _roundtrip(arrays: list[Any], names: list[str] | None = None) -> wire.Message:
+    data = wire.encode(arrays, names)
+    msg = wire.decode(data)
+    assert len(msg.arrays) == len(arrays)
+    for a, b in zip(arrays, msg.arrays, strict=True):
+        assert _same(np.asarray(a), b)
+    return msg
+
+
+def _craft(header: Any, body: bytes = b"", flags: int = 0, *, raw: bytes | None = None) -> bytes:
+    """A message with an arbitrary header object (or raw header bytes) and body."""
+    hb = raw if raw is not None else msgpack.packb(header)
+    head = b"QW" + bytes([1, flags]) + struct.pack("<I", len(hb)) + hb
+    return head + bytes(-len(head) % 8) + body
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_constants() -> None:
+    assert wire.FORMAT_VERSION == 1
+    assert wire.MAX_MESSAGE_BYTES == 2**31 - 1
+    assert wire.MAX_NDIM == 32
+
+
+@pytest.mark.parametrize("dt", ALL_DTYPES, ids=str)
+def test_roundtrip_every_dtype(dt: np.dtype[Any]) -> None:
+    a = _sample(dt, (3, 5))
+    msg = _roundtrip([a, _sample(dt, (7,), seed=1)])
+    assert msg.names is None
+    assert wire.dtype_from_code(wire.dtype_code(dt)) == dt
+
+
+def test_dtype_codes() -> None:
+    assert [wire.dtype_code(d) for d in ALL_DTYPES] == ALL_CODES
+    assert wire.dtype_code(">f4") == "f4"
+    assert wire.dtype_code(np.float64) == "f8"
+    assert wire.dtype_code(bool) == "b1"
+    for bad in ("O", "U3", "S2", "V4", "c8", "c16", "M8[ns]", "m8[s]", np.longdouble):
+        with pytest.raises(InvalidArgumentError, match="cannot be sent"):
+            wire.dtype_code(bad)
+    with pytest.raises(InvalidArgumentError):
+        wire.dtype_code("not a dtype")
+    for bad_code in ("c8", "f16", "", "F4", "<f4", "bool"):
+        with pytest.raises(DataLossError, match="unknown dtype code"):
+            wire.dtype_from_code(bad_code)
+
+
+def test_zero_dim_and_scalars() -> None:
+    msg = _roundtrip([np.float32(3.5), np.array(7, np.int16), np.array(True)])
+    assert [a.shape for a in msg.arrays] == [(), (), ()]
+    msg = wire.decode(wire.encode([1, 2.5, True, [1, 2]]))
+    assert [a.dtype for a in msg.arrays] == [np.int64, np.float64, np.bool_, np.int64]
+    assert [a.tolist() for a in msg.arrays] == [1, 2.5, True, [1, 2]]
+
+
+def test_zero_size_arrays() -> None:
+    arrays = [
+        np.zeros((0,), np.float32),
+        np.zeros((3, 0, 2), np.int64),
+        np.arange(3, dtype=np.uint8),
+        np.zeros((0, 5), np.bool_),
+    ]
+    msg = _roundtrip(arrays)
+    assert [a.shape for a in msg.arrays] == [(0,), (3, 0, 2), (3,), (0, 5)]
+    _roundtrip([])
+    _roundtrip([np.zeros(0, np.float64)])
+
+
+def test_multidim_noncontiguous_and_fortran() -> None:
+    base = np.arange(2 * 3 * 4 * 5, dtype=np.float64).reshape(2, 3, 4, 5)
+    sliced = base[:, ::2, 1:, ::-1]
+    fortran = np.asfortranarray(base[0])
+    assert not sliced.flags.c_contiguous and not fortran.flags.c_contiguous
+    _roundtrip([base, sliced, fortran, base.T])
+    parts = wire.encode_parts([sliced])
+    assert bytes(parts[1]) == np.ascontiguousarray(sliced).tobytes()
+
+
+def test_big_endian_input() -> None:
+    for code in ALL_CODES[1:]:
+        a = _sample(np.dtype(">" + code), (4, 3))
+        le = a.astype(a.dtype.newbyteorder("<"))
+        assert wire.encode([a]) == wire.encode([le])
+        (out,) = wire.decode_arrays(wire.encode([a]))
+        assert out.dtype == np.dtype("<" + code)
+        np.testing.assert_array_equal(out, a)
+
+
+def test_names_and_mappings() -> None:
+    data = wire.encode({"x": np.arange(3.0), "label": np.int64(4)})
+    assert data[3] == 1  # names flag
+    msg = wire.decode(data)
+    assert msg.names == ["x", "label"]
+    arrays, names = msg  # a NamedTuple
+    assert arrays[1] == 4
+    assert names == ["x", "label"]
+    assert wire.decode(wire.encode([1, 2], names=["a", "b"])).names == ["a", "b"]
+    assert wire.decode(wire.encode([], names=[])).names == []
+    assert wire.encode([1], names=None)[3] == 0
+    with pytest.raises(InvalidArgumentError, match="names"):
+        wire.encode({"a": 1}, names=["a"])
+    with pytest.raises(InvalidArgumentError, match="2 names"):
+        wire.encode([1], names=["a", "b"])
+    with pytest.raises(InvalidArgumentError, match="str"):
+        wire.encode([1], names=[3])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="str"):
+        wire.encode({1: 1})  # type: ignore[dict-item]
+    with pytest.raises(InvalidArgumentError):
+        wire.encode([1, 2], names="ab")
+
+
+def test_encode_rejects_bad_arrays() -> None:
+    bad_inputs = [
+        (np.array([1, "a"], dtype=object), "object"),
+        (np.array(["ab"]), "<U2"),
+        (np.array([b"ab"]), "S2"),
+        (np.zeros(2, np.complex64), "complex64"),
+        (np.zeros(2, "M8[ns]"), "datetime64"),
+        (np.zeros(2, "V4"), "V4"),
+        (np.zeros(2, [("a", "<f4")]), "cannot be sent"),
+        (np.zeros(2, np.longdouble), "cannot be sent"),
+        ("text", "<U4"),
+        (1 + 2j, "complex"),
+    ]
+    for a, needle in bad_inputs:
+        with pytest.raises(InvalidArgumentError, match=needle):
+            wire.encode([np.float32(1), a])
+    with pytest.raises(InvalidArgumentError):
+        wire.encode([[1, [2, 3]]])  # ragged
+    with pytest.raises(InvalidArgumentError, match="dimensions"):
+        wire.encode([np.zeros((1,) * 33)])
+    wire.encode([np.zeros((1,) * 32)])
+    with pytest.raises(InvalidArgumentError, match="wrap"):
+        wire.encode(np.zeros(3))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        wire.encode("abc")
+
+
+class _FakeCupy:
+    """Duck-types the bits of a CuPy array that the codec uses."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self._host = host
+        self.__cuda_array_interface__ = {"shape": host.shape}
+
+    def get(self) -> np.ndarray:
+        return self._host
+
+
+def test_cupy_like_arrays() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert wire.encode([_FakeCupy(a)]) == wire.encode([a])
+    rows = wire.encode_rows([_FakeCupy(a)], [np.float32], [(3,)])
+    assert [bytes(r) for r in rows] == [wire.encode([a[0]]), wire.encode([a[1]])]
+
+
+# --------------------------------------------------------------------------- zero copy and layout
+
+
+def test_zero_copy_encode_and_decode() -> None:
+    a = np.arange(9, dtype=np.float32)  # 36 bytes: 4 bytes of padding follow
+    b = np.arange(3, dtype=np.int8)
+    parts = wire.encode_parts([a, b])
+    assert len(parts) == 4
+    assert isinstance(parts[1], memoryview) and isinstance(parts[3], memoryview)
+    assert np.shares_memory(np.frombuffer(parts[1], np.uint8), a)
+    assert np.shares_memory(np.frombuffer(parts[3], np.uint8), b)
+    assert parts[2] == b"\0" * 4
+    assert b"".join(parts) == wire.encode([a, b])
+
+    data = wire.encode([a, np.arange(5, dtype=np.int64)])
+    out = wire.decode(data).arrays
+    whole = np.frombuffer(data, np.uint8)
+    for arr in out:
+        assert np.shares_memory(arr, whole)
+        assert not arr.flags.writeable
+    assert out[0].base is not None
+
+    mutable = bytearray(data)
+    out2 = wire.decode(mutable).arrays
+    assert out2[0].flags.writeable
+    out2[0][0] = 42.0
+    assert wire.decode(bytes(mutable)).arrays[0][0] == 42.0
+
+    # a memoryview slice of a larger buffer
+    big = bytearray(b"x" * 16) + data + bytearray(b"y" * 5)
+    view = memoryview(big)[16 : 16 + len(data)]
+    out3 = wire.decode(view).arrays
+    assert np.shares_memory(out3[1], np.frombuffer(big, np.uint8))
+    np.testing.assert_array_equal(out3[1], np.arange(5))
+
+
+def test_buffers_aligned_to_8() -> None:
+    arrays = [
+        np.arange(3, dtype=np.uint8),
+        np.arange(5, dtype=np.int16),
+        np.float64(1.5),
+        np.ones((3, 3), np.bool_),
+        np.arange(7, dtype=np.float32),
+        np.arange(2, dtype=np.int64),
+    ]
+    for names in (None, ["a", "bb", "c", "ddd", "e", "f"]):
+        data = wire.encode(arrays, names)
+        start = _addr(np.frombuffer(data, np.uint8))
+        offsets = [_addr(a) - start for a in wire.decode(data).arrays]
+        assert all(off % 8 == 0 for off in offsets), offsets
+        # buffers follow one another with < 8 bytes of padding, and end the message
+        for (off, a), nxt in zip(zip(offsets, arrays, strict=True), offsets[1:], strict=False):
+            assert 0 <= nxt - (off + a.nbytes) < 8
+        assert offsets[-1] + arrays[-1].nbytes == len(data)
+
+
+def test_header_bytes_is_prefix_of_encode() -> None:
+    cases: list[tuple[list[Any], list[str] | None]] = [
+        ([np.zeros((2, 3), np.float32), np.int64(1)], None),
+        ([np.zeros(0, np.uint8)], ["empty"]),
+        ([], None),
+        ([np.zeros((4, 0, 1), np.float16), np.ones(3, np.bool_)], ["a", "ü"]),
+    ]
+    for arrays, names in cases:
+        data = wire.encode(arrays, names)
+        head = wire.header_bytes([a.dtype for a in arrays], [np.shape(a) for a in arrays], names)
+        assert len(head) % 8 == 0
+        assert data.startswith(head)
+        assert bytes(wire.encode_parts(arrays, names)[0]) == head
+    assert wire.header_bytes(["f4"], [[784]]) == wire.header_bytes([np.float32], [(784,)])
+    with pytest.raises(InvalidArgumentError):
+        wire.header_bytes([np.float32], [(1,), (2,)])
+    with pytest.raises(InvalidArgumentError):
+        wire.header_bytes([np.float32], [(-1,)])
+    with pytest.raises(InvalidArgumentError):
+        wire.header_bytes([np.float32], [784])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError):
+        wire.header_bytes([object], [()])
+    with pytest.raises(InvalidArgumentError):
+        wire.header_bytes([np.float32], [(1,) * 33])
+
+
+# --------------------------------------------------------------------------- batch fast path
+
+ROW_SPECS: list[tuple[list[Any], list[tuple[int, ...]]]] = [
+    ([np.float32, np.int64], [(784,), ()]),
+    ([np.uint8, np.int16, np.float64], [(3,), (5,), (2, 2)]),
+    ([np.bool_, np.float16], [(3, 1), (1,)]),
+    ([np.int32], [(0, 4)]),
+    ([np.uint64, np.int8], [(), ()]),
+]
+
+
+@pytest.mark.parametrize(("dtypes", "shapes"), ROW_SPECS)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_encode_rows_matches_encode(
+    dtypes: list[Any], shapes: list[tuple[int, ...]], batch: int
+) -> None:
+    arrays = [
+        _sample(np.dtype(dt), (batch, *s), seed=j)
+        for j, (dt, s) in enumerate(zip(dtypes, shapes, strict=True))
+    ]
+    rows = wire.encode_rows(arrays, dtypes, shapes)
+    assert len(rows) == batch
+    for i, row in enumerate(rows):
+        assert isinstance(row, memoryview)
+        assert bytes(row) == wire.encode([a[i] for a in arrays])
+    back = wire.decode_rows([bytes(r) for r in rows], dtypes, shapes)
+    assert back is not None
+    for a, b in zip(arrays, back, strict=True):
+        assert _same(a, b)
+        assert b.flags.c_contiguous and b.flags.writeable
+    back2 = wire.decode_rows(rows, dtypes, shapes)  # memoryviews are fine too
+    assert back2 is not None and all(_same(a, b) for a, b in zip(arrays, back2, strict=True))
+
+
+def test_encode_rows_big_endian_and_noncontiguous() -> None:
+    x = np.arange(4 * 6, dtype=">f4").reshape(4, 6)
+    y = np.arange(4 * 10, dtype=np.int64).reshape(4, 10)[:, ::2]
+    rows = wire.encode_rows([x, y], [np.float32, np.int64], [(6,), (5,)])
+    for i, row in enumerate(rows):
+        assert bytes(row) == wire.encode([x[i], y[i]])
+
+
+def test_encode_rows_errors_and_empty() -> None:
+    spec = ([np.float32, np.int64], [(3,), ()])
+    x = np.zeros((2, 3), np.float32)
+    y = np.zeros(2, np.int64)
+    assert wire.encode_rows([x[:0], y[:0]], *spec) == []
+    with pytest.raises(InvalidArgumentError, match="arrays"):
+        wire.encode_rows([x], *spec)
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        wire.encode_rows([np.zeros((2, 4), np.float32), y], *spec)
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        wire.encode_rows([np.zeros(3, np.float32), y], *spec)
+    with pytest.raises(InvalidArgumentError, match="batch"):
+        wire.encode_rows([x, np.zeros(3, np.int64)], *spec)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        wire.encode_rows([x.astype(np.float64), y], *spec)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        wire.encode_rows([x, y.astype(np.int32)], *spec)
+    with pytest.raises(InvalidArgumentError):
+        wire.encode_rows([], [], [])
+
+
+def test_decode_rows_fallback_cases() -> None:
+    dtypes, shapes = [np.uint8, np.float32], [(3,), (2,)]
+    a = np.arange(12, dtype=np.uint8).reshape(4, 3)
+    b = np.arange(8, dtype=np.float32).reshape(4, 2)
+    blobs = [bytes(r) for r in wire.encode_rows([a, b], dtypes, shapes)]
+    assert wire.decode_rows(blobs, dtypes, shapes) is not None
+
+    empty = wire.decode_rows([], dtypes, shapes)
+    assert empty is not None and [e.shape for e in empty] == [(0, 3), (0, 2)]
+
+    # one blob too short, one too long (same total length)
+    assert wire.decode_rows([blobs[0][:-1], blobs[1] + b"\0", *blobs[2:]], dtypes, shapes) is None
+    assert wire.decode_rows([*blobs[:3], blobs[3] + b"\0"], dtypes, shapes) is None
+    # a blob for a different spec of the same length: f4[2] -> i4[2]
+    other = wire.encode([a[1], b[1].view(np.int32)])
+    assert len(other) == len(blobs[1])
+    assert wire.decode_rows([blobs[0], other, *blobs[2:]], dtypes, shapes) is None
+    # bad padding between buffers (u1[3] is followed by 5 pad bytes)
+    off = len(wire.header_bytes(dtypes, shapes)) + 3
+    padded = bytearray(blobs[2])
+    padded[off] = 1
+    assert wire.decode_rows([*blobs[:2], bytes(padded), blobs[3]], dtypes, shapes) is None
+    with pytest.raises(DataLossError, match="padding"):
+        wire.decode(bytes(padded))
+    # bool bytes other than 0/1
+    good = wire.encode_rows([np.ones((2, 2), np.bool_)], [np.bool_], [(2,)])
+    bad = bytearray(good[1])
+    bad[-1] = 2
+    assert wire.decode_rows([bytes(good[0]), bytes(bad)], [np.bool_], [(2,)]) is None
+    with pytest.raises(DataLossError, match="bool"):
+        wire.decode(bytes(bad))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _valid() -> bytes:
+    return wire.encode(
+        {"a": np.arange(3, dtype=np.uint8), "b": np.float64(2.0), "c": np.ones((2, 2), np.int32)}
+    )
+
+
+def test_bad_magic_version_flags() -> None:
+    data = _valid()
+    for bad in (b"XW" + data[2:], b"qw" + data[2:], b"X", b"\x00" * 20):
+        with pytest.raises(DataLossError, match="bad magic"):
+            wire.decode(bad)
+    with pytest.raises(DataLossError, match="version 2"):
+        wire.decode(data[:2] + b"\x02" + data[3:])
+    with pytest.raises(DataLossError, match="version 0"):
+        wire.decode(data[:2] + b"\x00" + data[3:])
+    for flags in (0x02, 0x80, 0xFF):
+        with pytest.raises(DataLossError, match="flag"):
+            wire.decode(data[:3] + bytes([flags]) + data[4:])
+    # names flag cleared while names are present, and set without names
+    with pytest.raises(DataLossError, match="names"):
+        wire.decode(data[:3] + b"\x00" + data[4:])
+    plain = wire.encode([np.arange(3, dtype=np.uint8)])
+    with pytest.raises(DataLossError, match="names"):
+        wire.decode(plain[:3] + b"\x01" + plain[4:])
+
+
+def test_truncated_at_every_length() -> None:
+    data = _valid()
+    for n in range(len(data)):
+        with pytest.raises(DataLossError, match=r"truncated|bad magic"):
+            wire.decode(data[:n])
+        with pytest.raises(DataLossError):
+            wire.decode(memoryview(data)[:n])
+    assert wire.decode(data).names == ["a", "b", "c"]
+
+
+def test_trailing_bytes() -> None:
+    data = _valid()
+    for extra in (b"\0", b"\0" * 8, b"garbage!!"):
+        with pytest.raises(DataLossError, match="trailing bytes"):
+            wire.decode(data + extra)
+    with pytest.raises(DataLossError, match="trailing bytes"):
+        wire.decode(wire.encode([]) + b"\0")
+
+
+def test_oversized_and_overflowing_sizes() -> None:
+    huge = _craft([[["f4", [2**30, 4]]], None], b"\0" * 16)
+    with pytest.raises(DataLossError, match=r"declares 1717986\d+ bytes, limit 2147483647"):
+        wire.decode(huge)
+    data = _valid()
+    with pytest.raises(DataLossError, match="limit 64"):
+        wire.decode(data, max_bytes=64)
+    assert wire.decode(data, max_bytes=len(data)).names == ["a", "b", "c"]
+    with pytest.raises(DataLossError, match="limit"):
+        wire.decode(data, max_bytes=len(data) - 1)
+    for dims in ([2**63, 2**63], [2**64 - 1] * 3, [2**62, 2**62, 16]):
+        with pytest.raises(DataLossError, match=r"declares|too large"):
+            wire.decode(_craft([[["u8", dims]], None], b"\0" * 8))
+    # a zero dimension makes the array empty, but numpy still could not describe the rest
+    with pytest.raises(DataLossError, match="too large"):
+        wire.decode(_craft([[["f8", [0, 2**63 - 1]]], None]))
+    (ok,) = wire.decode_arrays(_craft([[["u1", [0, 2**40]]], None]))
+    assert ok.shape == (0, 2**40)
+    # a header_len that points far beyond the data
+    with pytest.raises(DataLossError, match="truncated"):
+        wire.decode(b"QW\x01\x00" + struct.pack("<I", 1000) + b"\x90")
+    with pytest.raises(DataLossError, match="declares"):
+        wire.decode(b"QW\x01\x00" + struct.pack("<I", 2**32 - 1) + b"\x90")
+
+
+@pytest.mark.parametrize(
+    ("header", "flags", "needle"),
+    [
+        ({"a": 1}, 0, "2-element"),
+        ([[], None, 1], 0, "2-element"),
+        ([{}, None], 0, "components must be an array"),
+        ([[["f4"]], None], 0, "component 0"),
+        ([[["f4", [1], 3]], None], 0, "component 0"),
+        ([[[4, [1]]], None], 0, "dtype code must be a string"),
+        ([[[b"f4", [1]]], None], 0, "dtype code must be a string"),
+        ([[["f4", "12"]], None], 0, "shape must be an array"),
+        ([[["f4", [-1]]], None], 0, "dimension -1"),
+        ([[["f4", [1.0]]], None], 0, "dimension 1.0"),
+        ([[["f4", [True]]], None], 0, "dimension True"),
+        ([[["f4", [None]]], None], 0, "dimension None"),
+        ([[["f4", [1] * 33]], None], 0, "33 dimensions"),
+        ([[["c8", [1]]], None], 0, "unknown dtype code 'c8'"),
+        ([[["object", []]], None], 0, "unknown dtype code"),
+        ([[["u1", [1]]], ["a", "b"]], 1, "2 names for 1"),
+        ([[["u1", [1]]], [1]], 1, "names must be strings"),
+        ([[["u1", [1]]], "a"], 1, "names is str"),
+        ([[["u1", [1]]], ["a"]], 0, "names flag"),
+    ],
+)
+def test_wrong_header_types(header: Any, flags: int, needle: str) -> None:
+    with pytest.raises(DataLossError, match=needle):
+        wire.decode(_craft(header, b"\0" * 64, flags))
+
+
+def test_malformed_msgpack() -> None:
+    for raw in (
+        b"\xc1",  # never-used byte
+        b"\x92\x90",  # array of 2 with one element
+        b"\x92\x90\xc0\xc0",  # extra data after the header object
+        b"\x92\x91\x92\xa2\xff\xfe\x90\xc0",  # invalid utf-8 in a str
+        b"\x91" * 5000,  # deep nesting
+        b"\xdd\xff\xff\xff\xff",  # array32 of 4 billion elements
+        b"",
+    ):
+        with pytest.raises(DataLossError, match="bad qps message header"):
+            wire.decode(_craft(None, raw=raw))
+
+
+@pytest.mark.skipif(ml_dtypes is not None, reason="ml_dtypes is installed")
+def test_bf16_needs_ml_dtypes() -> None:
+    with pytest.raises(DataLossError, match="ml_dtypes"):
+        wire.decode(_craft([[["bf16", [2]]], None], b"\0" * 4))
+    with pytest.raises(DataLossError, match="ml_dtypes"):
+        wire.dtype_from_code("bf16")
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_bf16_roundtrip() -> None:
+    a = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
+    assert wire.dtype_code(a.dtype) == "bf16"
+    _roundtrip([a])
+    rows = wire.encode_rows([a], [a.dtype], [(3,)])
+    assert bytes(rows[1]) == wire.encode([a[1]])
+
+
+def test_decode_rejects_non_bytes() -> None:
+    with pytest.raises(InvalidArgumentError):
+        wire.decode("QW")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        wire.decode(memoryview(np.zeros((4, 4), np.uint8)[:, ::2]))  # non-contiguous
+
+
+# --------------------------------------------------------------------------- split_chunks
+
+
+def test_split_chunks() -> None:
+    data = bytes(range(256)) * 3
+    chunks = wire.split_chunks(data, 100)
+    assert [len(c) for c in chunks] == [100] * 7 + [68]
+    assert b"".join(chunks) == data
+    assert all(isinstance(c, memoryview) and c.obj is data for c in chunks)
+    assert wire.split_chunks(data, len(data)) == [memoryview(data)]
+    assert wire.split_chunks(b"", 10) == []
+    assert b"".join(wire.split_chunks(memoryview(data)[5:], 7)) == data[5:]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError):
+            wire.split_chunks(data, bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- property tests
+
+_dtypes = st.sampled_from(ALL_DTYPES) | st.sampled_from(
+    [np.dtype(">" + c) for c in ALL_CODES[1:] if c[1] != "1"]
+)
+_arrays = _dtypes.flatmap(
+    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrays=st.lists(_arrays, min_size=0, max_size=4),
+    with_names=st.booleans(),
+    transpose=st.booleans(),
+)
+def test_property_roundtrip(arrays: list[np.ndarray], with_names: bool, transpose: bool) -> None:
+    if transpose:
+        arrays = [a.T for a in arrays]
+    names = [f"n{i}" for i in range(len(arrays))] if with_names else None
+    msg = _roundtrip(arrays, names)
+    assert msg.names == names
+    data = wire.encode(arrays, names)
+    assert data.startswith(
+        wire.header_bytes([a.dtype for a in arrays], [a.shape for a in arrays], names)
+    )
+
+
+_SEEDS = [
+    wire.encode([np.arange(5, dtype=np.float32), np.int64(3)]),
+    wire.encode({"x": np.ones((2, 3), np.bool_), "y": np.zeros(0, np.uint16)}),
+    wire.encode([np.arange(3, dtype=np.uint8), np.arange(2, dtype=np.float16), np.float64(1)]),
+    wire.encode([]),
+]
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(draw(st.sampled_from(_SEEDS)))
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
+        pos = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=9))
+        elif kind == "delete":
+            del data[pos : pos + draw(st.integers(1, 9))]
+        else:
+            del data[pos:]
+    return bytes(data)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=_mutated() | st.binary(max_size=64) | st.binary(max_size=40).map(b"QW\x01\x00".__add__))
+def test_fuzz_decode_only_raises_data_loss(data: bytes) -> None:
+    try:
+        msg = wire.decode(data)
+    except DataLossError:
+        return
+    # whatever decodes lies inside the data and survives a re-encode unchanged
+    whole = np.frombuffer(data, np.uint8)
+    for a in msg.arrays:
+        assert a.size == 0 or np.shares_memory(a, whole)
+    again = wire.decode(wire.encode(msg.arrays, msg.names))
+    assert again.names == msg.names
+    assert all(_same(a, b) for a, b in zip(msg.arrays, again.arrays, strict=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(blob=_mutated())
+def test_fuzz_decode_rows_returns_none_or_valid(blob: bytes) -> None:
+    dtypes, shapes = [np.float32, np.int64], [(5,), ()]
+    good = wire.encode_rows([np.zeros((1, 5), np.float32), np.zeros(1, np.int64)], dtypes, shapes)
+    out = wire.decode_rows([bytes(good[0]), blob], dtypes, shapes)
+    if out is not None:
+        ref = wire.decode(blob).arrays
+        np.testing.assert_array_equal(out[0][1], ref[0])
+        np.testing.assert_array_equal(out[1][1], ref[1])
