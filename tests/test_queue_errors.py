@@ -1,0 +1,64 @@
+"""Bad input gets a clear error and leaves the queue unchanged; corrupt bytes written
+into a queue's keys by another client are set aside and nothing else is lost."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+import qps
+from qps import keys, wire
+from qps.errors import InvalidArgumentError
+
+
+async def _items(client, q):
+    return keys.queue_prefix(q.container, q.name) + "items"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [np.zeros(3, np.float64)],          # wrong dtype
+        [np.zeros(4, np.float32)],          # wrong shape
+        [np.zeros(3, np.float32), 1],       # wrong arity
+        [["a", "b", "c"]],                  # strings are not carried
+    ],
+)
+async def test_bad_input_leaves_queue_unchanged(client, bad):
+    q = qps.FIFOQueue(5, np.float32, shapes=[[3]], client=client)
+    await q.enqueue(np.ones(3, np.float32))
+    with pytest.raises(InvalidArgumentError):
+        await q.enqueue(bad)
+    with pytest.raises(InvalidArgumentError):
+        await q.enqueue_many([np.stack([b] * 2) if isinstance(b, np.ndarray) else b for b in bad])
+    s = await q.stats()
+    assert (s.size, s.enqueued_total) == (1, 1)
+
+
+async def test_garbage_in_items_is_quarantined(client):
+    q = qps.FIFOQueue(10, np.int32, shapes=[[]], shared_name="g", client=client)
+    await q.enqueue(1)
+    items = await _items(client, q)
+    await client.commands.rpush(items, b"\x00garbage not a qps message")
+    await client.commands.rpush(items, wire.encode([np.float64(2.5)]))  # valid bytes, wrong spec
+    await q.enqueue_many(np.array([3, 4], np.int32))
+    # the consumer reports the bad ones and moves on: it still gets 3 good elements
+    assert (await q.dequeue_many(3)).tolist() == [1, 3, 4]
+    s = await q.stats()
+    assert s.dead_letters == 2 and s.size == 0
+    dlq = await client.commands.lrange(keys.queue_prefix("default", "g") + "dlq", 0, -1)
+    records = [msgpack.unpackb(r, raw=False) for r in dlq]
+    assert records[0]["data"] == b"\x00garbage not a qps message"
+    assert "magic" in records[0]["reason"]
+    assert "float64" in records[1]["reason"]
+
+
+async def test_garbage_single_dequeue_moves_on(client):
+    q = qps.FIFOQueue(10, np.int32, shared_name="g1", client=client)
+    items = await _items(client, q)
+    await q.size()
+    await client.commands.rpush(items, b"QW\x01\x00\xff\xff\xff\xff truncated")
+    await q.enqueue(7)
+    assert int(await q.dequeue()) == 7
+    assert (await q.stats()).dead_letters == 1
