@@ -62,3 +62,38 @@ async def test_garbage_single_dequeue_moves_on(client):
     await q.enqueue(7)
     assert int(await q.dequeue()) == 7
     assert (await q.stats()).dead_letters == 1
+
+
+async def test_large_elements_travel_in_chunks(client):
+    from qps.queues.base import CHUNK_BYTES
+
+    n = (3 * CHUNK_BYTES) // 4 + 1000  # float32: ~3 MiB, 4 chunks
+    q = qps.FIFOQueue(1, [np.float32, np.int64], shapes=[[n], []], shared_name="big", client=client)
+    x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    await q.enqueue([x, 5])
+    prefix = keys.queue_prefix("default", "big")
+    chunk_keys = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
+    assert len(chunk_keys) == 4
+    assert [await client.commands.ttl(k) for k in chunk_keys] == [-1] * 4  # stored: never expire
+    y, label = await q.dequeue()
+    assert np.array_equal(x, y) and int(label) == 5
+    assert await client.commands.exists(*chunk_keys) == 0  # consumer deleted them
+    # a batch of large elements through enqueue_many / dequeue_many
+    q2 = qps.FIFOQueue(4, np.float32, shapes=[[n]], shared_name="big2", client=client)
+    xs = np.stack([x, -x, x * 2])
+    await q2.enqueue_many(xs)
+    assert np.array_equal(await q2.dequeue_many(3), xs)
+
+
+async def test_missing_chunks_are_reported_and_skipped(client):
+    from qps.queues.base import CHUNK_BYTES
+
+    n = CHUNK_BYTES // 2
+    q = qps.FIFOQueue(5, np.float32, shapes=[[n]], shared_name="big3", client=client)
+    await q.enqueue(np.ones(n, np.float32))
+    await q.enqueue(np.zeros(n, np.float32))
+    prefix = keys.queue_prefix("default", "big3")
+    first = (await client.commands.lrange(prefix + "items", 0, 0))[0].decode().split("|")[1]
+    await client.commands.delete(f"{prefix}b:{first}:0")
+    assert not np.any(await q.dequeue())  # the damaged first element is set aside
+    assert (await q.stats()).dead_letters == 1

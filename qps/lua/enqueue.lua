@@ -40,6 +40,7 @@ end
 local rest = {}
 for i = k + 1, total do rest[#rest + 1] = vals[i] end
 rpush_all(akey(ID, 'p'), rest)
+chunk_ttl(rest, nil)
 redis.call('RPUSH', EW, E)
 redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
 flush()

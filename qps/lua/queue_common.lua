@@ -37,6 +37,23 @@ local function rpush_all(key, vals)
   end
 end
 
+-- Elements larger than a chunk are stored out of line in b:<bid>:<k> keys and queued as a
+-- reference 'QR|<bid>|<nchunks>|<bytes>'. Chunks of stored elements never expire; chunks
+-- of taken elements expire unless their consumer deletes them first (it does, at once),
+-- so a consumer dying in between leaks nothing.
+local CHUNK_TTL_MS = 600000
+local function chunk_ttl(vals, ms)
+  for _, v in ipairs(vals) do
+    if string.sub(v, 1, 3) == 'QR|' then
+      local bid, n = string.match(v, '^QR|([^|]+)|(%d+)|')
+      for k = 0, tonumber(n) - 1 do
+        local key = P .. 'b:' .. bid .. ':' .. k
+        if ms then redis.call('PEXPIRE', key, ms) else redis.call('PERSIST', key) end
+      end
+    end
+  end
+end
+
 local function size()
   if SHUFFLE then
     return tonumber(redis.call('HGET', META, 'n')) or 0
@@ -56,6 +73,7 @@ end
 
 local function push_back(vals)
   if #vals == 0 then return end
+  chunk_ttl(vals, nil)
   if SHUFFLE then
     local n = tonumber(redis.call('HGET', META, 'n')) or 0
     for i = 1, #vals do
@@ -72,6 +90,7 @@ end
 local function push_front(vals)
   if #vals == 0 then return end
   if SHUFFLE then return push_back(vals) end
+  chunk_ttl(vals, nil)
   local rev = {}
   for i = #vals, 1, -1 do rev[#rev + 1] = vals[i] end
   for i = 1, #rev, BATCH do
@@ -85,7 +104,9 @@ end
 local function take(k)
   if k <= 0 then return {} end
   if not SHUFFLE then
-    return redis.call('LPOP', ITEMS, k)
+    local out = redis.call('LPOP', ITEMS, k)
+    chunk_ttl(out, CHUNK_TTL_MS)
+    return out
   end
   local st = redis.call('HMGET', META, 'n', 'rng')
   local n, s = tonumber(st[1]) or 0, tonumber(st[2]) or 1
@@ -102,6 +123,7 @@ local function take(k)
     n = n - 1
   end
   redis.call('HSET', META, 'n', n, 'rng', s)
+  chunk_ttl(out, CHUNK_TTL_MS)
   return out
 end
 
@@ -118,6 +140,13 @@ local function signal(id, status)
   redis.call('SET', akey(id, 's'), status, 'PX', RECORD_MS)
   redis.call('RPUSH', akey(id, 'w'), 1)
   redis.call('PEXPIRE', akey(id, 'w'), RECORD_MS)
+end
+
+-- Drop what a pending enqueue had not inserted; its out-of-line chunks expire.
+local function drop_pending(id)
+  local pk = akey(id, 'p')
+  chunk_ttl(redis.call('LRANGE', pk, 0, -1), 1000)
+  redis.call('DEL', pk)
 end
 
 local function finish_enq(e, id, status)
@@ -141,7 +170,7 @@ local function cancel_enqueues(status)
     local t, id = parse(e)
     redis.call('ZREM', LEASE, e)
     if t == 'e' then
-      redis.call('DEL', akey(id, 'p'))
+      drop_pending(id)
       signal(id, status)
     else
       signal(id, 'ok')
@@ -235,7 +264,7 @@ end
 local function undo_enqueue(e, id)
   redis.call('LREM', EW, 1, e)
   redis.call('ZREM', LEASE, e)
-  redis.call('DEL', akey(id, 'p'))
+  drop_pending(id)
 end
 
 local function undo(e)

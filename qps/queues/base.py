@@ -52,6 +52,13 @@ LEASE_MS = 10_000
 
 Element = Any  # an array, a list of arrays, or a dict of arrays
 
+#: Elements larger than this travel out of line, as chunks of this size (DESIGN.md §4.5:
+#: about 2x faster than one large value through redis-py and hiredis).
+CHUNK_BYTES = 1 << 20
+#: Chunks written by a producer expire unless their element gets into the queue.
+CHUNK_TTL_MS = 600_000
+_REF = b"QR|"
+
 
 @dataclass(frozen=True)
 class QueueStats:
@@ -382,6 +389,9 @@ class QueueBase:
     def _split_bad(self, blobs: list[bytes]) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
         good, bad = [], []
         for b in blobs:
+            if b.startswith(_REF):
+                bad.append((bytes(b), "the chunks of a large element are missing"))
+                continue
             try:
                 good.append(self._decode_one(b))
             except DataLossError as exc:
@@ -472,9 +482,74 @@ class QueueBase:
         return reply
 
     # -- enqueue ------------------------------------------------------------------
+    async def _store_large(self, client: Client, aid: str, blobs: Sequence[Any]) -> list[Any]:
+        """Write elements over CHUNK_BYTES as chunk keys; return the blobs with those
+        elements replaced by references."""
+        from qps.transport import map_errors
+
+        out: list[Any] = []
+        with map_errors():
+            pipe = client.commands.pipeline(transaction=False)
+            for i, blob in enumerate(blobs):
+                parts = blob if isinstance(blob, list) else [blob]
+                total = sum(_nbytes(p) for p in parts)
+                if total <= CHUNK_BYTES:
+                    out.append(parts[0] if len(parts) == 1 else b"".join(parts))
+                    continue
+                bid = f"{aid}.{i}"
+                chunks = _chunks_of(parts, CHUNK_BYTES)
+                for k, chunk in enumerate(chunks):
+                    pipe.set(f"{self._prefix}b:{bid}:{k}", chunk, px=CHUNK_TTL_MS)
+                out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
+            if len(pipe):
+                await pipe.execute()
+        return out
+
+    async def _fetch_large(self, client: Client, blobs: list[Any]) -> list[Any]:
+        """Replace references by the elements' bytes, read from their chunks.
+
+        The chunks are deleted only once every element is assembled: a caller cancelled
+        before that puts the references back at the front, chunks intact.
+        """
+        from qps.transport import map_errors
+
+        refs = [(i, b.decode().split("|")) for i, b in enumerate(blobs) if b.startswith(_REF)]
+        names = [
+            [f"{self._prefix}b:{r[1]}:{k}" for k in range(int(r[2]))] for _, r in refs
+        ]
+        try:
+            with map_errors():
+                pipe = client.commands.pipeline(transaction=False)
+                for ks in names:
+                    for key in ks:
+                        pipe.get(key)
+                chunks = await pipe.execute()
+        except BaseException:
+            await asyncio.shield(client.run_script("requeue", self._keys, [LEASE_MS, *blobs]))
+            raise
+        out = list(blobs)
+        pos = 0
+        for (i, r), ks in zip(refs, names):
+            parts = chunks[pos : pos + len(ks)]
+            pos += len(ks)
+            if any(c is None for c in parts):
+                continue  # left as a reference: reported as missing by _split_bad
+            buf = bytearray(int(r[3]))
+            view = memoryview(buf)
+            at = 0
+            for c in parts:
+                view[at : at + len(c)] = c
+                at += len(c)
+            out[i] = buf if at == len(buf) else blobs[i]
+        with map_errors():
+            await client.commands.unlink(*[k for ks in names for k in ks])
+        return out
+
     async def _enqueue_blobs(self, blobs: Sequence[Any], timeout: float | None, nowait: bool) -> None:
         client = await self._c()
         aid = client.new_id()
+        if any(isinstance(b, list) or _nbytes(b) > CHUNK_BYTES for b in blobs):
+            blobs = await self._store_large(client, aid, blobs)
         reply = await self._attempt(
             client, "enqueue", f"e|{aid}", aid, ["1" if nowait else "0", *blobs], timeout,
             "enqueue",
@@ -505,7 +580,7 @@ class QueueBase:
             DeadlineExceededError: ``timeout`` seconds passed; nothing was inserted.
         """
         arrays = self._prepare_one(vals)
-        await self._enqueue_blobs([wire.encode(arrays)], timeout, False)
+        await self._enqueue_blobs([_encode_element(arrays)], timeout, False)
 
     async def enqueue_nowait(self, vals: Any) -> None:
         """:meth:`enqueue` that never waits.
@@ -515,7 +590,7 @@ class QueueBase:
             InvalidArgumentError, CancelledError: as :meth:`enqueue`.
         """
         arrays = self._prepare_one(vals)
-        await self._enqueue_blobs([wire.encode(arrays)], None, True)
+        await self._enqueue_blobs([_encode_element(arrays)], None, True)
 
     async def enqueue_many(self, vals: Any, *, timeout: float | None = None) -> None:
         """Insert the slices of a batch (dimension 0) as separate elements, in order.
@@ -569,6 +644,8 @@ class QueueBase:
             if status == b"ok":
                 self._forget = aid
                 blobs = reply[1]
+                if any(b.startswith(_REF) for b in blobs):
+                    blobs = await self._fetch_large(client, blobs)
                 if self._fixed and len(blobs) > 1 and not got:
                     assert self._spec.shapes is not None
                     batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes)  # type: ignore[arg-type]
@@ -834,3 +911,35 @@ async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_
 
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def _nbytes(blob: Any) -> int:
+    return blob.nbytes if isinstance(blob, memoryview) else len(blob)
+
+
+def _encode_element(arrays: list[np.ndarray]) -> Any:
+    """One element's bytes; a large one as its parts (header, buffers: no copy)."""
+    if sum(a.nbytes for a in arrays) <= CHUNK_BYTES:
+        return wire.encode(arrays)
+    return [p if isinstance(p, bytes) else p.cast("B") for p in wire.encode_parts(arrays)]
+
+
+def _chunks_of(parts: list[Any], size: int) -> list[Any]:
+    """Cut the concatenation of ``parts`` into pieces of ``size`` bytes, copying only
+    where a piece spans several parts."""
+    out: list[Any] = []
+    pending: list[Any] = []
+    pending_len = 0
+    for part in parts:
+        view = memoryview(part).cast("B") if not isinstance(part, memoryview) else part
+        while len(view):
+            take = min(size - pending_len, len(view))
+            pending.append(view[:take])
+            pending_len += take
+            view = view[take:]
+            if pending_len == size:
+                out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+                pending, pending_len = [], 0
+    if pending:
+        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+    return out
