@@ -257,6 +257,7 @@ async def connect(url: str | None = None) -> Client:
         from qps import embedded
 
         url, owned = await asyncio.to_thread(embedded.ensure_local_server)
+    assert url is not None
     commands, blocking = _pools(url)
     client = Client(commands, blocking, url=url, owned_server=owned)
     try:
@@ -267,7 +268,9 @@ async def connect(url: str | None = None) -> Client:
     return client
 
 
-def from_redis(commands: Any, blocking: Any | None = None, *, pipelined_blocking: bool = False) -> Client:
+def from_redis(
+    commands: Any, blocking: Any | None = None, *, pipelined_blocking: bool = False
+) -> Client:
     """Wrap existing redis-py (or fakeredis) asyncio clients in a :class:`Client`.
 
     Used by the tests for fakeredis, which cannot block inside a pipeline.

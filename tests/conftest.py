@@ -96,5 +96,5 @@ async def until(pred: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> N
         await asyncio.sleep(0.01)
 
 
-def pending(task: "asyncio.Task[Any]") -> bool:
+def pending(task: asyncio.Task[Any]) -> bool:
     return not task.done()

@@ -1,7 +1,7 @@
 """A producer or consumer process for tests/test_queue_multiprocess.py.
 
-    python tests/mp_queue_worker.py produce URL KIND NAME START COUNT SEED
-    python tests/mp_queue_worker.py consume URL KIND NAME OUTFILE SEED
+python tests/mp_queue_worker.py produce URL KIND NAME START COUNT SEED
+python tests/mp_queue_worker.py consume URL KIND NAME OUTFILE SEED
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ async def produce(url: str, kind: str, name: str, start: int, count: int, seed: 
             if k == 1:
                 await q.enqueue([ids[0], np.int32(i), payload[0]], timeout=60)
             else:
-                await q.enqueue_many([ids, np.arange(i, i + k, dtype=np.int32), payload], timeout=60)
+                await q.enqueue_many(
+                    [ids, np.arange(i, i + k, dtype=np.int32), payload], timeout=60
+                )
             i += k
 
 

@@ -19,10 +19,10 @@ async def _items(client, q):
 @pytest.mark.parametrize(
     "bad",
     [
-        [np.zeros(3, np.float64)],          # wrong dtype
-        [np.zeros(4, np.float32)],          # wrong shape
-        [np.zeros(3, np.float32), 1],       # wrong arity
-        [["a", "b", "c"]],                  # strings are not carried
+        [np.zeros(3, np.float64)],  # wrong dtype
+        [np.zeros(4, np.float32)],  # wrong shape
+        [np.zeros(3, np.float32), 1],  # wrong arity
+        [["a", "b", "c"]],  # strings are not carried
     ],
 )
 async def test_bad_input_leaves_queue_unchanged(client, bad):

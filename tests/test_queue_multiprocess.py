@@ -36,16 +36,31 @@ async def test_many_processes_exactly_once(redis_url, tmp_path, kind):
         per = TOTAL // PRODUCERS
         producers = [
             await asyncio.create_subprocess_exec(
-                sys.executable, WORKER, "produce", redis_url, kind, name, str(i * per), str(per),
-                str(100 + i), env=env,
+                sys.executable,
+                WORKER,
+                "produce",
+                redis_url,
+                kind,
+                name,
+                str(i * per),
+                str(per),
+                str(100 + i),
+                env=env,
             )
             for i in range(PRODUCERS)
         ]
         outs = [tmp_path / f"c{i}.npy" for i in range(CONSUMERS)]
         consumers = [
             await asyncio.create_subprocess_exec(
-                sys.executable, WORKER, "consume", redis_url, kind, name, str(outs[i]),
-                str(200 + i), env=env,
+                sys.executable,
+                WORKER,
+                "consume",
+                redis_url,
+                kind,
+                name,
+                str(outs[i]),
+                str(200 + i),
+                env=env,
             )
             for i in range(CONSUMERS)
         ]

@@ -77,7 +77,9 @@ async def test_37_seeded_order_is_reproducible(make_client):
 
 async def test_37b_seeded_order_with_interleaved_operations(client):
     async def run(name):
-        q = qps.RandomShuffleQueue(50, 2, I32, shapes=[[]], seed=11, shared_name=name, client=client)
+        q = qps.RandomShuffleQueue(
+            50, 2, I32, shapes=[[]], seed=11, shared_name=name, client=client
+        )
         out = []
         for i in range(0, 40, 4):
             await q.enqueue_many(np.arange(i, i + 4, dtype=I32))

@@ -350,7 +350,7 @@ class QueueBase:
     def _encode_rows(self, arrays: list[np.ndarray], batch: int) -> list[Any]:
         if self._fixed:
             assert self._spec.shapes is not None
-            return wire.encode_rows(arrays, self._spec.dtypes, self._spec.shapes)
+            return wire.encode_rows(arrays, self._spec.dtypes, self._spec.shapes)  # type: ignore[arg-type]
         return [wire.encode([a[i] for a in arrays]) for i in range(batch)]
 
     # -- output -------------------------------------------------------------------
@@ -386,7 +386,9 @@ class QueueBase:
         self._check_element(arrays)
         return arrays
 
-    def _split_bad(self, blobs: list[bytes]) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
+    def _split_bad(
+        self, blobs: list[bytes]
+    ) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
         good, bad = [], []
         for b in blobs:
             if b.startswith(_REF):
@@ -404,7 +406,7 @@ class QueueBase:
         if not elements:
             assert self._spec.shapes is not None
             return [
-                np.empty((0, *s), dtype=dt)  # type: ignore[misc]
+                np.empty((0, *(int(d) for d in s if d is not None)), dtype=dt)
                 for s, dt in zip(self._spec.shapes, self._spec.dtypes)
             ]
         return [np.stack([e[j] for e in elements]) for j in range(ncomp)]
@@ -418,14 +420,21 @@ class QueueBase:
             for blob, reason in bad
         ]
         for _, reason in bad:
-            log.warning("queue %s/%s: set aside a corrupt element: %s", self._container,
-                        self._name, reason)
+            log.warning(
+                "queue %s/%s: set aside a corrupt element: %s", self._container, self._name, reason
+            )
         await client.run_script("quarantine", self._keys, [LEASE_MS, *records])
 
     # -- the attempt loop ---------------------------------------------------------
     async def _attempt(
-        self, client: Client, script: str, entry: str, aid: str, args: list[Any],
-        timeout: float | None, what: str,
+        self,
+        client: Client,
+        script: str,
+        entry: str,
+        aid: str,
+        args: list[Any],
+        timeout: float | None,
+        what: str,
     ) -> list[Any]:
         """Run one attempt to completion; returns the final reply."""
         loop = asyncio.get_running_loop()
@@ -434,7 +443,9 @@ class QueueBase:
         waiters = _waiters_of(client)
         done = asyncio.Event()
         try:
-            reply: list[Any] = await client.run_script(script, self._keys, [LEASE_MS, entry, aid, *args])
+            reply: list[Any] = await client.run_script(
+                script, self._keys, [LEASE_MS, entry, aid, *args]
+            )
             self._forget = ""
             while reply[0] in (b"wait", b"pending"):
                 if deadline is None:
@@ -514,9 +525,7 @@ class QueueBase:
         from qps.transport import map_errors
 
         refs = [(i, b.decode().split("|")) for i, b in enumerate(blobs) if b.startswith(_REF)]
-        names = [
-            [f"{self._prefix}b:{r[1]}:{k}" for k in range(int(r[2]))] for _, r in refs
-        ]
+        names = [[f"{self._prefix}b:{r[1]}:{k}" for k in range(int(r[2]))] for _, r in refs]
         try:
             with map_errors():
                 pipe = client.commands.pipeline(transaction=False)
@@ -545,13 +554,20 @@ class QueueBase:
             await client.commands.unlink(*[k for ks in names for k in ks])
         return out
 
-    async def _enqueue_blobs(self, blobs: Sequence[Any], timeout: float | None, nowait: bool) -> None:
+    async def _enqueue_blobs(
+        self, blobs: Sequence[Any], timeout: float | None, nowait: bool
+    ) -> None:
         client = await self._c()
         aid = client.new_id()
         if any(isinstance(b, list) or _nbytes(b) > CHUNK_BYTES for b in blobs):
             blobs = await self._store_large(client, aid, blobs)
         reply = await self._attempt(
-            client, "enqueue", f"e|{aid}", aid, ["1" if nowait else "0", *blobs], timeout,
+            client,
+            "enqueue",
+            f"e|{aid}",
+            aid,
+            ["1" if nowait else "0", *blobs],
+            timeout,
             "enqueue",
         )
         status = reply[0]
@@ -633,8 +649,13 @@ class QueueBase:
             aid = client.new_id()
             try:
                 reply = await self._attempt(
-                    client, "dequeue", f"d|{need}|{mode}|{aid}", aid,
-                    [need, mode, "1" if nowait else "0", self._forget], timeout, "dequeue",
+                    client,
+                    "dequeue",
+                    f"d|{need}|{mode}|{aid}",
+                    aid,
+                    [need, mode, "1" if nowait else "0", self._forget],
+                    timeout,
+                    "dequeue",
                 )
             except BaseException:
                 if got:
@@ -673,7 +694,6 @@ class QueueBase:
                     f"{self._spec.class_name} '{self._name}' cannot give {n} element(s) now"
                 )
             raise AbortedError(f"unexpected dequeue reply {status!r}")
-
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
         blobs = [wire.encode(e) for e in elements]
@@ -766,7 +786,9 @@ class QueueBase:
         return self._format(await self._take(int(n), "upto", None, True))
 
     # -- close / state ------------------------------------------------------------
-    async def close(self, cancel_pending_enqueues: bool = False, *, timeout: float | None = None) -> None:
+    async def close(
+        self, cancel_pending_enqueues: bool = False, *, timeout: float | None = None
+    ) -> None:
         """Close the queue: no more enqueues; dequeues drain what is stored.
 
         Without ``cancel_pending_enqueues`` the close waits behind enqueues that are
@@ -781,8 +803,13 @@ class QueueBase:
         client = await self._c()
         aid = client.new_id()
         reply = await self._attempt(
-            client, "close", f"c|{aid}", aid, ["1" if cancel_pending_enqueues else "0"],
-            timeout, "close",
+            client,
+            "close",
+            f"c|{aid}",
+            aid,
+            ["1" if cancel_pending_enqueues else "0"],
+            timeout,
+            "close",
         )
         if reply[0] == b"already":
             raise CancelledError(f"Queue '{self._name}' is already closed.")
@@ -821,7 +848,9 @@ class QueueBase:
 # -- inspection helpers (used by the CLI) -------------------------------------------------
 
 
-async def queue_stats(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> QueueStats:
+async def queue_stats(
+    client: Client, name: str, container: str = keys.DEFAULT_CONTAINER
+) -> QueueStats:
     """Read a queue's :class:`QueueStats` by name.
 
     Raises:
@@ -882,8 +911,9 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
             fields = list(range(min(k, n)))
             if not fields:
                 return []
-            return [b for b in await client.commands.hmget(prefix + "items", fields) if b is not None]
-        return list(await client.commands.lrange(prefix + "items", 0, k - 1))
+            got = await client.commands.hmget(prefix + "items", fields)
+            return [_as_bytes(b) for b in got if b is not None]
+        return [_as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
 
 
 async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
@@ -892,7 +922,7 @@ async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -
 
     with map_errors():
         names = await client.commands.smembers(keys.container_queues(container))
-    return sorted(n.decode() for n in names)
+    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
 
 
 async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:
@@ -901,7 +931,9 @@ async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_
 
     prefix = keys.queue_prefix(container, name)
     with map_errors():
-        found = [k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)]
+        found = [
+            k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)
+        ]
         n = 0
         for i in range(0, len(found), 500):
             n += await client.commands.delete(*found[i : i + 500])
@@ -911,6 +943,10 @@ async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_
 
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def _as_bytes(x: bytes | str) -> bytes:
+    return x if isinstance(x, bytes) else x.encode()
 
 
 def _nbytes(blob: Any) -> int:

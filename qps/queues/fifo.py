@@ -50,4 +50,6 @@ class FIFOQueue(QueueBase):
             names=normalize_names(names, len(dts)),
             capacity=-1 if int(capacity) < 0 else int(capacity),
         )
-        super().__init__(spec, shared_name=shared_name, name=name, container=container, client=client)
+        super().__init__(
+            spec, shared_name=shared_name, name=name, container=container, client=client
+        )

@@ -55,7 +55,9 @@ class PaddingFIFOQueue(QueueBase):
             names=normalize_names(names, len(dts)),
             capacity=-1 if int(capacity) < 0 else int(capacity),
         )
-        super().__init__(spec, shared_name=shared_name, name=name, container=container, client=client)
+        super().__init__(
+            spec, shared_name=shared_name, name=name, container=container, client=client
+        )
 
     def _batch(self, elements: list[list[np.ndarray]]) -> list[np.ndarray]:
         assert self._spec.shapes is not None
@@ -68,6 +70,7 @@ class PaddingFIFOQueue(QueueBase):
             ]
             batch = np.zeros((len(parts), *dims), dtype=dt)
             for k, p in enumerate(parts):
-                batch[(k, *(slice(0, s) for s in p.shape))] = p
+                region: tuple[int | slice, ...] = (k, *[slice(0, s) for s in p.shape])
+                batch[region] = p
             out.append(batch)
         return out

@@ -69,4 +69,6 @@ class RandomShuffleQueue(QueueBase):
             min_after_dequeue=min_after_dequeue,
             seed=seed,
         )
-        super().__init__(spec, shared_name=shared_name, name=name, container=container, client=client)
+        super().__init__(
+            spec, shared_name=shared_name, name=name, container=container, client=client
+        )

@@ -46,10 +46,7 @@ def normalize_dtypes(dtypes: Any) -> tuple[np.dtype[Any], ...]:
     Raises:
         InvalidArgumentError: an empty list or a dtype qps cannot carry.
     """
-    if isinstance(dtypes, (list, tuple)):
-        items = list(dtypes)
-    else:
-        items = [dtypes]
+    items = list(dtypes) if isinstance(dtypes, (list, tuple)) else [dtypes]
     if not items:
         raise InvalidArgumentError("a queue needs at least one component dtype")
     out = []
@@ -63,7 +60,9 @@ def normalize_dtypes(dtypes: Any) -> tuple[np.dtype[Any], ...]:
     return tuple(out)
 
 
-def normalize_shapes(shapes: Any, ncomp: int, *, allow_unknown_dims: bool) -> tuple[Shape, ...] | None:
+def normalize_shapes(
+    shapes: Any, ncomp: int, *, allow_unknown_dims: bool
+) -> tuple[Shape, ...] | None:
     """``None`` stays None; a single shape is promoted to a list of one.
 
     Raises:
@@ -115,9 +114,7 @@ def normalize_names(names: Any, ncomp: int) -> tuple[str, ...] | None:
         names = [names]
     names = list(names)
     if len(names) != ncomp:
-        raise InvalidArgumentError(
-            "List of names must have the same length as the list of dtypes"
-        )
+        raise InvalidArgumentError("List of names must have the same length as the list of dtypes")
     if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise InvalidArgumentError(f"names must be distinct strings, got {names!r}")
     return tuple(names)

@@ -1,0 +1,229 @@
+"""The ``qps`` command line: a thin layer that parses, calls the library and prints.
+
+The entry point is :func:`qps.cli.main.main`. This module holds what the command
+modules share: the exit codes, :class:`CliError` (a click exception that prints one
+``qps: error: ...`` line and exits with our code), :func:`run_async` (runs a coroutine
+and turns :class:`qps.errors.QpsError` into :class:`CliError`) and the common options.
+
+Exit codes:
+
+====  ============================================================================
+0     success
+1     failure: any other qps error (e.g. closing a queue that is already closed)
+2     usage: a bad option or argument, or a confirmation that cannot be asked
+3     not found: the named queue (or other resource) does not exist
+4     timeout: a ``--timeout`` ran out
+5     unavailable: Redis cannot be reached, or no embedded server can be started
+====  ============================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import traceback
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import click
+
+from qps import keys
+from qps.errors import DeadlineExceededError, NotFoundError, QpsError, UnavailableError
+from qps.transport import Client, connect, redact_url
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_TIMEOUT",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "LOG_LEVELS",
+    "CliError",
+    "configure_logging",
+    "connected",
+    "container_option",
+    "debug_enabled",
+    "exit_code_for",
+    "json_option",
+    "remember_url",
+    "run_async",
+    "scrub",
+    "url_option",
+]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_TIMEOUT = 4
+EXIT_UNAVAILABLE = 5
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+log = logging.getLogger("qps.cli")
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# URLs this process was given: every message we print has them replaced by their
+# redacted form, whatever library or server text they ended up in.
+_urls: set[str] = set()
+
+
+def remember_url(url: str | None) -> None:
+    """Note a URL whose password must never be printed (see :func:`scrub`)."""
+    if url and redact_url(url) != url:
+        _urls.add(url)
+
+
+def scrub(text: str) -> str:
+    """``text`` with every remembered URL replaced by its redacted form."""
+    for url in sorted(_urls, key=len, reverse=True):
+        text = text.replace(url, redact_url(url))
+    return text
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a qps error (see the module docstring)."""
+    if isinstance(exc, NotFoundError):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, DeadlineExceededError):
+        return EXIT_TIMEOUT
+    if isinstance(exc, UnavailableError):
+        return EXIT_UNAVAILABLE
+    return EXIT_FAILURE
+
+
+class CliError(click.ClickException):
+    """A failure reported as one ``qps: error: <message>`` line on stderr."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(scrub(message))
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it a ClassVar
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"qps: error: {self.format_message()}", err=True, file=file)
+
+
+# -- logging ---------------------------------------------------------------------------
+
+
+class _EchoHandler(logging.Handler):
+    """Writes records to whatever ``sys.stderr`` is now (CliRunner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            click.echo(scrub(self.format(record)), err=True)
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(level: str) -> None:
+    """Send the ``qps`` loggers' records at ``level`` and above to stderr."""
+    logger = logging.getLogger("qps")
+    logger.setLevel(getattr(logging, level.upper()))
+    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+        handler = _EchoHandler()
+        handler.setFormatter(logging.Formatter("qps: %(levelname)s: %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def debug_enabled() -> bool:
+    """True when ``--log-level DEBUG`` is in effect (errors then show a traceback)."""
+    return logging.getLogger("qps").isEnabledFor(logging.DEBUG)
+
+
+# -- running library code -----------------------------------------------------------------
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` with :func:`asyncio.run`, translating qps errors to :class:`CliError`."""
+    try:
+        return asyncio.run(coro)
+    except QpsError as exc:
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
+        raise CliError(str(exc), exit_code_for(exc)) from exc
+
+
+# -- connecting ------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str | None) -> AsyncIterator[Client]:
+    """A :class:`qps.Client` for ``url`` (None: ``$QPS_REDIS_URL`` or the local embedded
+    server), closed on exit.
+
+    Raises:
+        CliError: the URL is malformed (exit code 2).
+        UnavailableError: the server cannot be reached.
+    """
+    remember_url(url)
+    try:
+        client = await connect(url)
+    except QpsError:
+        raise
+    except ValueError as exc:  # redis-py rejects the URL itself (scheme, port, ...)
+        shown = redact_url(url) if url else "(none)"
+        raise CliError(f"invalid Redis URL {shown}: {exc}", EXIT_USAGE) from exc
+    remember_url(client.url)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+# -- common options ---------------------------------------------------------------------
+
+
+def _check_container(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return keys.check_container(value)
+    except QpsError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+URL_HELP = (
+    "Redis URL: redis://[user:password@]host:port/db, rediss://... (TLS) or "
+    "unix:///path/to/socket. Default: the local embedded server (reused if one is "
+    "running, else started for this command and stopped after it)."
+)
+
+
+def url_option(help: str = URL_HELP) -> Callable[[F], F]:
+    """``--url`` (env ``QPS_REDIS_URL``), with ``help`` as its help text."""
+    return click.option(
+        "--url",
+        envvar="QPS_REDIS_URL",
+        show_envvar=True,
+        default=None,
+        metavar="URL",
+        help=help,
+    )
+
+
+def container_option(f: F) -> F:
+    """``--container`` (env ``QPS_CONTAINER``)."""
+    return click.option(
+        "--container",
+        envvar="QPS_CONTAINER",
+        show_envvar=True,
+        default=keys.DEFAULT_CONTAINER,
+        show_default=True,
+        callback=_check_container,
+        help="The resource container the queues live in.",
+    )(f)
+
+
+def json_option(f: F) -> F:
+    """``--json``: machine-readable output."""
+    return click.option(
+        "--json",
+        "json",
+        is_flag=True,
+        default=False,
+        help="Print JSON instead of text.",
+    )(f)

@@ -1,0 +1,119 @@
+"""``qps``: the command-line entry point (``qps = "qps.cli.main:main"``).
+
+:func:`main` runs the click group in non-standalone mode so that it decides the exit
+code itself: errors print one ``qps: error: ...`` line (a traceback only with
+``--log-level DEBUG``) and exit with the codes listed in :mod:`qps.cli`.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Sequence
+
+import click
+
+from qps import __version__
+from qps.cli import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    LOG_LEVELS,
+    CliError,
+    configure_logging,
+    debug_enabled,
+    exit_code_for,
+    scrub,
+)
+from qps.cli.demo import demo
+from qps.cli.queue import queue
+from qps.errors import QpsError
+
+#: Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(name="qps", context_settings=CONTEXT_SETTINGS)
+@click.version_option(__version__, "--version", prog_name="qps", message="%(prog)s %(version)s")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="WARNING",
+    show_default=True,
+    envvar="QPS_LOG_LEVEL",
+    show_envvar=True,
+    help="Log messages at this level and above go to stderr; DEBUG also shows tracebacks.",
+)
+def cli(log_level: str) -> None:
+    """qps: a parameter-server runtime on Redis and asyncio, with TensorFlow 1.x queues.
+
+    Run `qps demo` to move real tensors between two processes through a shared queue,
+    and `qps queue ...` to inspect and close queues.
+
+    Every command takes --url (env QPS_REDIS_URL); without one it uses the local
+    embedded server. Options can also be set through environment variables
+    (QPS_LOG_LEVEL, QPS_REDIS_URL, QPS_CONTAINER, or QPS_<COMMAND>_<OPTION> for the
+    others, e.g. QPS_DEMO_ELEMENTS).
+
+    \b
+    Exit codes:
+      0  success
+      1  failure (any other qps error)
+      2  usage error
+      3  not found (no such queue)
+      4  timeout (--timeout ran out)
+      5  unavailable (Redis cannot be reached, or no server can be started)
+    """
+    configure_logging(log_level)
+
+
+cli.add_command(queue)
+cli.add_command(demo)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the ``qps`` command line on ``argv`` (default ``sys.argv[1:]``); return the
+    exit code instead of exiting."""
+    try:
+        rv = cli.main(
+            args=list(argv) if argv is not None else None,
+            prog_name="qps",
+            auto_envvar_prefix="QPS",
+            standalone_mode=False,
+        )
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):
+            click.echo("qps: interrupted", err=True)
+            return EXIT_INTERRUPTED
+        click.echo("qps: aborted", err=True)
+        return EXIT_FAILURE
+    except click.ClickException as exc:  # CliError and click's own usage errors
+        exc.show()
+        return exc.exit_code
+    except QpsError as exc:  # a command that did not go through run_async
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
+        CliError(str(exc)).show()
+        return exit_code_for(exc)
+    except KeyboardInterrupt:
+        click.echo("qps: interrupted", err=True)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: say so in one line unless asked for detail
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
+            hint = ""
+        else:
+            hint = " (rerun with --log-level DEBUG for a traceback)"
+        click.echo(scrub(f"qps: error: unexpected {type(exc).__name__}: {exc}{hint}"), err=True)
+        return EXIT_FAILURE
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console-script entry point: :func:`run`, then exit with its code."""
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""``qps queue ...``: list, inspect, peek into and close queues by name.
+
+Every command reads the queue's state with the library's inspection helpers
+(:func:`qps.queues.list_queues`, :func:`~qps.queues.queue_stats`,
+:func:`~qps.queues.peek_blobs`) and changes nothing, except ``close``, which opens the
+queue from its stored spec (:func:`queue_from_spec`) and closes it.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+import numpy as np
+
+from qps import wire
+from qps.cli import (
+    EXIT_FAILURE,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+    CliError,
+    connected,
+    container_option,
+    json_option,
+    run_async,
+    url_option,
+)
+from qps.errors import CancelledError, DataLossError, DeadlineExceededError, NotFoundError
+from qps.queues import (
+    FIFOQueue,
+    PaddingFIFOQueue,
+    QueueBase,
+    QueueSpec,
+    QueueStats,
+    RandomShuffleQueue,
+    list_queues,
+    peek_blobs,
+    queue_stats,
+)
+from qps.transport import Client
+
+#: ``peek --json`` lists at most this many values of a component.
+JSON_MAX_VALUES = 100
+#: ``peek`` text output: arrays with more elements than this are summarized.
+PREVIEW_THRESHOLD = 20
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def queue_from_spec(spec: QueueSpec, name: str, container: str, client: Client) -> QueueBase:
+    """The queue object of the right class for a stored ``spec``, opened as the shared
+    queue ``name`` of ``container`` (what a program that created it would hold)."""
+    dtypes = list(spec.dtypes)
+    shapes = None if spec.shapes is None else [list(s) for s in spec.shapes]
+    names = None if spec.names is None else list(spec.names)
+    common: dict[str, Any] = {"shared_name": name, "container": container, "client": client}
+    if spec.kind == "fifo":
+        return FIFOQueue(spec.capacity, dtypes, shapes=shapes, names=names, **common)
+    if spec.kind == "padding":
+        return PaddingFIFOQueue(spec.capacity, dtypes, shapes=shapes, names=names, **common)
+    if spec.kind == "shuffle":
+        return RandomShuffleQueue(
+            spec.capacity,
+            spec.min_after_dequeue,
+            dtypes,
+            shapes=shapes,
+            names=names,
+            seed=spec.seed,
+            **common,
+        )
+    raise CliError(f"queue '{container}/{name}' has an unknown type {spec.kind!r}")
+
+
+def _capacity_text(capacity: int) -> str:
+    return "unbounded" if capacity < 0 else str(capacity)
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(jsonlib.dumps(data, indent=2))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        pairs = zip(row, widths, strict=True)
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(pairs)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _interactive() -> bool:
+    """Whether a confirmation can be asked (stdin is a terminal)."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# -- the group ---------------------------------------------------------------------------
+
+
+@click.group(name="queue")
+def queue() -> None:
+    """Inspect and close queues (FIFOQueue, RandomShuffleQueue, PaddingFIFOQueue).
+
+    A queue is named by its shared_name within a container. All commands but `close`
+    only read; none of them needs the program that created the queue.
+    """
+
+
+# -- ls ---------------------------------------------------------------------------------
+
+
+async def _ls(url: str | None, container: str) -> list[QueueStats]:
+    async with connected(url) as client:
+        out = []
+        for name in await list_queues(client, container):
+            try:
+                out.append(await queue_stats(client, name, container))
+            except NotFoundError:  # deleted between the listing and now
+                continue
+        return out
+
+
+@queue.command(name="ls")
+@url_option()
+@container_option
+@json_option
+def ls_command(url: str | None, container: str, json: bool) -> None:
+    """List the queues of a container with their size and counters.
+
+    Columns: name, type, size/capacity, whether closed, pending (blocked) enqueue and
+    dequeue calls, and the elements ever enqueued and dequeued. With --json, a list of
+    the full statistics of each queue (as `qps queue stat --json`).
+    """
+    stats = run_async(_ls(url, container))
+    if json:
+        _echo_json([s.as_dict() for s in stats])
+        return
+    if not stats:
+        click.echo(f"no queues in container '{container}'")
+        return
+    header = ["NAME", "TYPE", "SIZE/CAP", "CLOSED", "PEND_ENQ", "PEND_DEQ", "ENQUEUED", "DEQUEUED"]
+    rows = [
+        [
+            s.name,
+            s.spec.class_name,
+            f"{s.size}/{'inf' if s.spec.capacity < 0 else s.spec.capacity}",
+            _yes_no(s.closed),
+            str(s.pending_enqueues),
+            str(s.pending_dequeues),
+            str(s.enqueued_total),
+            str(s.dequeued_total),
+        ]
+        for s in stats
+    ]
+    for line in _table(header, rows, right={2, 4, 5, 6, 7}):
+        click.echo(line)
+
+
+# -- stat --------------------------------------------------------------------------------
+
+
+async def _stat(url: str | None, container: str, name: str) -> QueueStats:
+    async with connected(url) as client:
+        return await queue_stats(client, name, container)
+
+
+def stat_lines(s: QueueStats) -> list[str]:
+    """The text of ``qps queue stat``."""
+    spec = s.spec
+    rows: list[tuple[str, str]] = [
+        ("queue", f"{s.container}/{s.name}"),
+        ("type", spec.class_name),
+        ("dtypes", ", ".join(d.name for d in spec.dtypes)),
+        ("shapes", ", ".join(spec.describe()["shapes"]) if spec.shapes is not None else "unknown"),
+        ("names", ", ".join(spec.names) if spec.names is not None else "-"),
+        ("capacity", _capacity_text(spec.capacity)),
+    ]
+    if spec.kind == "shuffle":
+        rows.append(("min_after_dequeue", str(spec.min_after_dequeue)))
+        rows.append(("seed", "random" if spec.seed is None else str(spec.seed)))
+    rows += [
+        ("size", f"{s.size} stored element(s)"),
+        ("closed", _yes_no(s.closed)),
+        ("enqueued (total)", str(s.enqueued_total)),
+        ("dequeued (total)", str(s.dequeued_total)),
+        ("pending enqueues", str(s.pending_enqueues)),
+        ("pending dequeues", str(s.pending_dequeues)),
+        ("held", f"{s.held} element(s) taken by pending dequeues"),
+        ("pending close", _yes_no(s.pending_close)),
+        ("dead letters", f"{s.dead_letters} undecodable element(s) set aside"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return [f"{k.ljust(width)}  {v}" for k, v in rows]
+
+
+@queue.command(name="stat")
+@click.argument("name")
+@url_option()
+@container_option
+@json_option
+def stat_command(name: str, url: str | None, container: str, json: bool) -> None:
+    """Show everything known about queue NAME, without changing it.
+
+    Its spec (type, dtypes, shapes, names, capacity; min_after_dequeue and seed for a
+    RandomShuffleQueue), its size, whether it is closed, the totals enqueued and
+    dequeued, blocked callers (pending enqueues/dequeues, elements held by pending
+    dequeues, a close waiting behind enqueues) and undecodable elements set aside.
+    Exits with 3 if there is no such queue.
+    """
+    s = run_async(_stat(url, container, name))
+    if json:
+        _echo_json(s.as_dict())
+        return
+    for line in stat_lines(s):
+        click.echo(line)
+
+
+# -- peek --------------------------------------------------------------------------------
+
+
+async def _peek(
+    url: str | None, container: str, name: str, k: int
+) -> tuple[QueueStats, list[bytes]]:
+    async with connected(url) as client:
+        s = await queue_stats(client, name, container)
+        return s, await peek_blobs(client, name, container, k)
+
+
+def _plain(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as a dtype that numpy prints and lists as Python numbers (bfloat16 -> float32)."""
+    if arr.dtype.kind in "biuf":
+        return arr
+    return arr.astype(np.float32)
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def _component_labels(n: int, names: Sequence[str] | None) -> list[str]:
+    if names is not None and len(names) == n:
+        return list(names)
+    return [str(i) for i in range(n)]
+
+
+def describe_element(blob: bytes, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``peek --json`` record of one stored element (never raises for bad bytes)."""
+    try:
+        msg = wire.decode(blob)
+    except DataLossError as exc:
+        return {"bytes": len(blob), "error": f"undecodable: {exc}"}
+    comps = []
+    labels = _component_labels(len(msg.arrays), msg.names or names)
+    for label, arr in zip(labels, msg.arrays, strict=True):
+        flat = _plain(arr).ravel()
+        comp: dict[str, Any] = {
+            "name": label if (msg.names or names) else None,
+            "dtype": arr.dtype.name,
+            "shape": list(arr.shape),
+            "values": [_json_value(v) for v in flat[:JSON_MAX_VALUES].tolist()],
+            "truncated": bool(flat.size > JSON_MAX_VALUES),
+        }
+        comps.append(comp)
+    return {"bytes": len(blob), "components": comps}
+
+
+def element_lines(index: int, blob: bytes, names: Sequence[str] | None = None) -> list[str]:
+    """The ``peek`` text of one stored element."""
+    try:
+        msg = wire.decode(blob)
+    except DataLossError as exc:
+        return [f"element {index}: {len(blob)} bytes, UNDECODABLE: {exc}"]
+    lines = [f"element {index}: {len(msg.arrays)} component(s), {len(blob)} bytes"]
+    labels = _component_labels(len(msg.arrays), msg.names or names)
+    for label, arr in zip(labels, msg.arrays, strict=True):
+        head = f"  [{label}] {arr.dtype.name} {wire_shape(arr.shape)}"
+        text = np.array2string(
+            _plain(arr), threshold=PREVIEW_THRESHOLD, edgeitems=3, precision=4, max_line_width=88
+        )
+        body = text.splitlines()
+        if len(body) == 1:
+            lines.append(f"{head}  {body[0]}")
+        else:
+            lines.append(head)
+            lines.extend("      " + b for b in body)
+    return lines
+
+
+def wire_shape(shape: Sequence[int]) -> str:
+    """A shape as TensorFlow prints it: ``[28,28]``, ``[]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+@queue.command(name="peek")
+@click.argument("name")
+@click.option(
+    "-n",
+    "n",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="How many elements to show.",
+)
+@url_option()
+@container_option
+@json_option
+def peek_command(name: str, n: int, url: str | None, container: str, json: bool) -> None:
+    """Show the next K stored elements of queue NAME without removing them.
+
+    Each element is decoded and each component printed with its dtype, shape and a
+    preview of its values. For a RandomShuffleQueue these are K stored elements, not
+    necessarily the next ones out. Bytes that do not decode are reported as such.
+    With --json: a list of {"bytes", "components": [{"name", "dtype", "shape",
+    "values", "truncated"}]} (at most 100 values per component; "truncated" tells if
+    there were more), or {"bytes", "error"} for an undecodable element.
+    Exits with 3 if there is no such queue.
+    """
+    s, blobs = run_async(_peek(url, container, name, n))
+    names = s.spec.names
+    if json:
+        _echo_json([{"index": i, **describe_element(b, names)} for i, b in enumerate(blobs)])
+        return
+    which = "stored" if s.spec.kind == "shuffle" else "next"
+    click.echo(
+        f"{s.container}/{s.name}: {s.spec.class_name}, size {s.size}; "
+        f"showing {len(blobs)} {which} element(s), nothing removed"
+    )
+    for i, blob in enumerate(blobs):
+        for line in element_lines(i, blob, names):
+            click.echo(line)
+
+
+# -- close -------------------------------------------------------------------------------
+
+
+async def _close(
+    url: str | None,
+    container: str,
+    name: str,
+    cancel_pending: bool,
+    yes: bool,
+    timeout: float | None,
+) -> dict[str, Any]:
+    async with connected(url) as client:
+        before = await queue_stats(client, name, container)
+        where = f"{container}/{name}"
+        if before.closed and not cancel_pending:
+            raise CliError(f"queue '{where}' is already closed", EXIT_FAILURE)
+        if not before.closed and not yes:
+            if not _interactive():
+                raise CliError(
+                    f"closing queue '{where}' cannot be undone and stdin is not a terminal "
+                    "to confirm it: pass --yes to close it",
+                    EXIT_USAGE,
+                )
+            question = (
+                f"Close {before.spec.class_name} '{where}' ({before.size} stored element(s), "
+                f"{before.pending_enqueues} pending enqueue(s))? This cannot be undone"
+            )
+            if not click.confirm(question, default=False):
+                raise CliError(f"not confirmed; queue '{where}' left open", EXIT_FAILURE)
+        q = queue_from_spec(before.spec, name, container, client)
+        if before.pending_enqueues and not cancel_pending and not before.closed:
+            click.echo(
+                f"waiting behind {before.pending_enqueues} pending enqueue(s) "
+                "(use --cancel-pending to close at once, --timeout to bound the wait)",
+                err=True,
+            )
+        try:
+            await q.close(cancel_pending_enqueues=cancel_pending, timeout=timeout)
+        except CancelledError as exc:  # closed by someone else meanwhile
+            raise CliError(f"queue '{where}' is already closed", EXIT_FAILURE) from exc
+        except DeadlineExceededError as exc:
+            raise CliError(
+                f"{exc}; the close was withdrawn and the queue is still open "
+                "(--cancel-pending closes at once)",
+                EXIT_TIMEOUT,
+            ) from exc
+        after = await queue_stats(client, name, container)
+        return {
+            "name": name,
+            "container": container,
+            "type": before.spec.class_name,
+            "was_closed": before.closed,
+            "closed": after.closed,
+            "size": after.size,
+            "cancelled_pending_enqueues": before.pending_enqueues if cancel_pending else 0,
+        }
+
+
+@queue.command(name="close")
+@click.argument("name")
+@click.option(
+    "--cancel-pending",
+    is_flag=True,
+    default=False,
+    help=(
+        "Close at once and fail the pending (blocked) enqueues with CancelledError. "
+        "Without it the close waits behind them, as in TensorFlow."
+    ),
+)
+@click.option(
+    "--yes",
+    "-y",
+    is_flag=True,
+    default=False,
+    help="Do not ask for confirmation (required when stdin is not a terminal).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Give up (exit 4, queue left open) if a plain close still waits after this long.",
+)
+@url_option()
+@container_option
+@json_option
+def close_command(
+    name: str,
+    cancel_pending: bool,
+    yes: bool,
+    timeout: float | None,
+    url: str | None,
+    container: str,
+    json: bool,
+) -> None:
+    """Close queue NAME: no more enqueues; dequeuers drain what is stored.
+
+    Closing cannot be undone, so it asks for confirmation unless --yes is given; when
+    stdin is not a terminal, --yes is required (exit 2 without it). Closing a queue that
+    is already closed fails (exit 1) unless --cancel-pending is given. Exits with 3 if
+    there is no such queue and 4 if --timeout runs out.
+    """
+    result = run_async(_close(url, container, name, cancel_pending, yes, timeout))
+    if json:
+        _echo_json(result)
+        return
+    where = f"{container}/{name}"
+    if result["was_closed"]:
+        click.echo(f"queue '{where}' was already closed")
+        return
+    text = f"closed {result['type']} '{where}'; {result['size']} element(s) left to dequeue"
+    if result["cancelled_pending_enqueues"]:
+        text += f"; cancelled {result['cancelled_pending_enqueues']} pending enqueue(s)"
+    click.echo(text)
