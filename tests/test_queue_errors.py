@@ -75,6 +75,8 @@ async def test_large_elements_travel_in_chunks(client):
     chunk_keys = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
     assert len(chunk_keys) == 4
     assert [await client.commands.ttl(k) for k in chunk_keys] == [-1] * 4  # stored: never expire
+    [(peeked, _)] = await q.peek()  # read without consuming: chunks stay
+    assert np.array_equal(peeked, x) and await client.commands.exists(*chunk_keys) == 4
     y, label = await q.dequeue()
     assert np.array_equal(x, y) and int(label) == 5
     assert await client.commands.exists(*chunk_keys) == 0  # consumer deleted them

@@ -37,6 +37,7 @@ from qps.queues import (
     QueueSpec,
     QueueStats,
     RandomShuffleQueue,
+    StoredElement,
     list_queues,
     peek_blobs,
     queue_stats,
@@ -230,9 +231,11 @@ def stat_command(name: str, url: str | None, container: str, json: bool) -> None
 # -- peek --------------------------------------------------------------------------------
 
 
+#: A stored element over 1 MiB is a reference ``QR|<bid>|<nchunks>|<bytes>`` to chunk
+#: keys ``b:<bid>:<k>`` of its queue (qps/lua/queue_common.lua, qps/keys.py).
 async def _peek(
     url: str | None, container: str, name: str, k: int
-) -> tuple[QueueStats, list[bytes]]:
+) -> tuple[QueueStats, list[StoredElement]]:
     async with connected(url) as client:
         s = await queue_stats(client, name, container)
         return s, await peek_blobs(client, name, container, k)
@@ -257,12 +260,21 @@ def _component_labels(n: int, names: Sequence[str] | None) -> list[str]:
     return [str(i) for i in range(n)]
 
 
-def describe_element(blob: bytes, names: Sequence[str] | None = None) -> dict[str, Any]:
-    """The ``peek --json`` record of one stored element (never raises for bad bytes)."""
+def _decode(p: StoredElement) -> wire.Message | str:
+    """The element's message, or why it cannot be decoded."""
+    if p.error is not None:
+        return p.error
     try:
-        msg = wire.decode(blob)
+        return wire.decode(p.blob)
     except DataLossError as exc:
-        return {"bytes": len(blob), "error": f"undecodable: {exc}"}
+        return str(exc)
+
+
+def describe_element(p: StoredElement, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``peek --json`` record of one stored element (never raises for bad bytes)."""
+    msg = _decode(p)
+    if isinstance(msg, str):
+        return {"bytes": len(p.blob), "chunks": p.chunks, "error": f"undecodable: {msg}"}
     comps = []
     labels = _component_labels(len(msg.arrays), msg.names or names)
     for label, arr in zip(labels, msg.arrays, strict=True):
@@ -275,16 +287,16 @@ def describe_element(blob: bytes, names: Sequence[str] | None = None) -> dict[st
             "truncated": bool(flat.size > JSON_MAX_VALUES),
         }
         comps.append(comp)
-    return {"bytes": len(blob), "components": comps}
+    return {"bytes": len(p.blob), "chunks": p.chunks, "components": comps}
 
 
-def element_lines(index: int, blob: bytes, names: Sequence[str] | None = None) -> list[str]:
+def element_lines(index: int, p: StoredElement, names: Sequence[str] | None = None) -> list[str]:
     """The ``peek`` text of one stored element."""
-    try:
-        msg = wire.decode(blob)
-    except DataLossError as exc:
-        return [f"element {index}: {len(blob)} bytes, UNDECODABLE: {exc}"]
-    lines = [f"element {index}: {len(msg.arrays)} component(s), {len(blob)} bytes"]
+    size = f"{len(p.blob)} bytes" + (f" in {p.chunks} chunks" if p.chunks else "")
+    msg = _decode(p)
+    if isinstance(msg, str):
+        return [f"element {index}: {size}, UNDECODABLE: {msg}"]
+    lines = [f"element {index}: {len(msg.arrays)} component(s), {size}"]
     labels = _component_labels(len(msg.arrays), msg.names or names)
     for label, arr in zip(labels, msg.arrays, strict=True):
         head = f"  [{label}] {arr.dtype.name} {wire_shape(arr.shape)}"
@@ -330,18 +342,18 @@ def peek_command(name: str, n: int, url: str | None, container: str, json: bool)
     there were more), or {"bytes", "error"} for an undecodable element.
     Exits with 3 if there is no such queue.
     """
-    s, blobs = run_async(_peek(url, container, name, n))
+    s, elements = run_async(_peek(url, container, name, n))
     names = s.spec.names
     if json:
-        _echo_json([{"index": i, **describe_element(b, names)} for i, b in enumerate(blobs)])
+        _echo_json([{"index": i, **describe_element(p, names)} for i, p in enumerate(elements)])
         return
     which = "stored" if s.spec.kind == "shuffle" else "next"
     click.echo(
         f"{s.container}/{s.name}: {s.spec.class_name}, size {s.size}; "
-        f"showing {len(blobs)} {which} element(s), nothing removed"
+        f"showing {len(elements)} {which} element(s), nothing removed"
     )
-    for i, blob in enumerate(blobs):
-        for line in element_lines(i, blob, names):
+    for i, p in enumerate(elements):
+        for line in element_lines(i, p, names):
             click.echo(line)
 
 

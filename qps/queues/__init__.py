@@ -3,6 +3,7 @@
 from qps.queues.base import (
     QueueBase,
     QueueStats,
+    StoredElement,
     delete_queue,
     list_queues,
     peek_blobs,
@@ -20,6 +21,7 @@ __all__ = [
     "QueueSpec",
     "QueueStats",
     "RandomShuffleQueue",
+    "StoredElement",
     "delete_queue",
     "list_queues",
     "peek_blobs",

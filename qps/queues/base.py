@@ -841,8 +841,8 @@ class QueueBase:
         """Up to ``k`` stored elements, decoded, without removing them (the next ones out
         for a FIFO queue; any ``k`` for a shuffle queue)."""
         client = await self._c()
-        blobs = await peek_blobs(client, self._name, self._container, k)
-        return [self._format(self._decode_one(b)) for b in blobs]
+        stored = await peek_blobs(client, self._name, self._container, k)
+        return [self._format(self._decode_one(e.blob)) for e in stored]
 
 
 # -- inspection helpers (used by the CLI) -------------------------------------------------
@@ -895,8 +895,52 @@ async def queue_stats(
     )
 
 
-async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[bytes]:
-    """The encoded bytes of up to ``k`` stored elements, without removing them."""
+@dataclass(frozen=True)
+class StoredElement:
+    """A stored element's bytes as :func:`peek_blobs` read them.
+
+    Attributes:
+        blob: the element's encoded bytes (a large element's chunks joined), or the raw
+            reference when its chunks cannot be read.
+        chunks: how many chunks a large element was stored in (0: stored inline).
+        error: why a large element could not be assembled, else None.
+    """
+
+    blob: bytes
+    chunks: int = 0
+    error: str | None = None
+
+
+async def _assemble(client: Client, prefix: str, ref: bytes) -> StoredElement:
+    """Read a large element's chunks, leaving them in place, and join them."""
+    from qps.transport import map_errors
+
+    try:
+        _, bid, count, total = ref.decode("ascii").split("|")
+        nchunks, nbytes = int(count), int(total)
+    except ValueError:  # not a reference after all (UnicodeDecodeError included)
+        return StoredElement(ref)
+    with map_errors():
+        parts = await client.commands.mget([f"{prefix}b:{bid}:{k}" for k in range(nchunks)])
+    found = [_as_bytes(p) for p in parts if p is not None]
+    if len(found) != nchunks:
+        return StoredElement(ref, nchunks, "a large element whose chunks are missing")
+    blob = b"".join(found)
+    if len(blob) != nbytes:
+        why = f"a large element of {len(blob)} bytes, {nbytes} expected"
+        return StoredElement(ref, nchunks, why)
+    return StoredElement(blob, nchunks)
+
+
+async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[StoredElement]:
+    """Up to ``k`` stored elements' bytes (large ones assembled), changing nothing.
+
+    FIFO and padding queues give the next ``k`` out; a shuffle queue gives ``k`` of its
+    elements (which one leaves next is drawn at dequeue time).
+
+    Raises:
+        NotFoundError: no such queue in ``container``.
+    """
     from qps.transport import map_errors
 
     prefix = keys.queue_prefix(container, name)
@@ -909,11 +953,13 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
         if kind == b"shuffle":
             n = int(await client.commands.hget(prefix + "meta", "n") or 0)
             fields = list(range(min(k, n)))
-            if not fields:
-                return []
-            got = await client.commands.hmget(prefix + "items", fields)
-            return [_as_bytes(b) for b in got if b is not None]
-        return [_as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
+            got = await client.commands.hmget(prefix + "items", fields) if fields else []
+            raw = [_as_bytes(b) for b in got if b is not None]
+        else:
+            raw = [_as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
+    return [
+        await _assemble(client, prefix, b) if b.startswith(_REF) else StoredElement(b) for b in raw
+    ]
 
 
 async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
