@@ -22,7 +22,9 @@ class InvalidArgumentError(QpsError, ValueError):
 
 
 class DeadlineExceededError(QpsError, TimeoutError):
-    """A blocking call's ``timeout=`` ran out; the resource is unchanged and usable."""
+    """A blocking call's ``timeout=`` ran out; the call is withdrawn (a dequeue's collected
+    elements go back, an ``enqueue_many`` keeps its inserted prefix) and the resource
+    stays usable."""
 
 
 class NotFoundError(QpsError, LookupError):

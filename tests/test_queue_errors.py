@@ -99,3 +99,22 @@ async def test_missing_chunks_are_reported_and_skipped(client):
     await client.commands.delete(f"{prefix}b:{first}:0")
     assert not np.any(await q.dequeue())  # the damaged first element is set aside
     assert (await q.stats()).dead_letters == 1
+
+
+async def test_held_large_elements_keep_their_chunks(client):
+    from qps.queues.base import CHUNK_BYTES
+
+    n = CHUNK_BYTES // 2  # 2 MiB of float32: 2 chunks (+ header)
+    q = qps.FIFOQueue(5, np.float32, shapes=[[n]], shared_name="held", client=client)
+    await q.enqueue(np.ones(n, np.float32))
+    import asyncio
+
+    task = asyncio.create_task(q.dequeue_many(2))  # holds the first, waits for a second
+    prefix = keys.queue_prefix("default", "held")
+    while (await q.stats()).held != 1:
+        await asyncio.sleep(0.01)
+    chunk_keys = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
+    assert chunk_keys and [await client.commands.pttl(k) for k in chunk_keys] == [-1] * len(chunk_keys)
+    await q.enqueue(np.zeros(n, np.float32))
+    out = await task
+    assert out.shape == (2, n) and out[0].all() and not out[1].any()

@@ -518,3 +518,43 @@ async def _pending_close(q):
 async def _held(q, n):
     s = await q.stats()
     return s.pending_dequeues >= 1 and s.held == n
+
+
+async def test_python_values_convert_only_when_exact(client):
+    u8 = qps.FIFOQueue(5, np.uint8, shapes=[[]], client=client)
+    await u8.enqueue(5)  # a Python int for an unsigned dtype
+    assert int(await u8.dequeue()) == 5
+    with pytest.raises(InvalidArgumentError, match="out of range for uint8"):
+        await u8.enqueue(-1)
+    i32 = qps.FIFOQueue(5, I32, shapes=[[]], client=client)
+    with pytest.raises(InvalidArgumentError, match="out of range for int32"):
+        await i32.enqueue(2**40)  # would wrap to 0
+    with pytest.raises(InvalidArgumentError, match="expected int32"):
+        await i32.enqueue(True)
+    f16 = qps.FIFOQueue(5, np.float16, shapes=[[]], client=client)
+    with pytest.raises(InvalidArgumentError, match="overflows float16"):
+        await f16.enqueue(1e6)  # would become inf
+    await f16.enqueue(float("inf"))  # an infinity stays one
+    assert np.isinf(await f16.dequeue())
+    for q in (u8, i32, f16):
+        assert await q.size() == 0
+
+
+async def test_close_queued_behind_a_pending_close_reports_already_closed(client):
+    q = fifo(client, 1)
+    await q.enqueue(1)
+    enq = asyncio.create_task(q.enqueue(2))
+    await until(lambda: _pending_enq(q, 1))
+    first = asyncio.create_task(q.close())
+    await until(lambda: _pending_close(q))
+    second = asyncio.create_task(q.close())
+    await until(lambda: _ew_len(q, 3))
+    await q.dequeue()
+    await enq
+    await first
+    with pytest.raises(CancelledError, match="already closed"):
+        await second
+
+
+async def _ew_len(q, n):
+    return len(await q._client.commands.lrange(q._keys[2], 0, -1)) == n

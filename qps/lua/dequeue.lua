@@ -12,6 +12,7 @@ local function deliver(k)
   local vals = take(k)
   rpush_all(hk, vals)
   redis.call('PEXPIRE', hk, RECORD_MS)
+  chunk_ttl(vals, CHUNK_TTL_MS)
   redis.call('HINCRBY', META, 'deq', k)
   flush()
   return {'ok', vals}

@@ -38,9 +38,9 @@ local function rpush_all(key, vals)
 end
 
 -- Elements larger than a chunk are stored out of line in b:<bid>:<k> keys and queued as a
--- reference 'QR|<bid>|<nchunks>|<bytes>'. Chunks of stored elements never expire; chunks
--- of taken elements expire unless their consumer deletes them first (it does, at once),
--- so a consumer dying in between leaks nothing.
+-- reference 'QR|<bid>|<nchunks>|<bytes>'. Chunks of stored, pending or held elements never
+-- expire; chunks of delivered elements expire unless their consumer deletes them first
+-- (it does, at once), so a consumer dying in between leaks nothing.
 local CHUNK_TTL_MS = 600000
 local function chunk_ttl(vals, ms)
   for _, v in ipairs(vals) do
@@ -104,9 +104,7 @@ end
 local function take(k)
   if k <= 0 then return {} end
   if not SHUFFLE then
-    local out = redis.call('LPOP', ITEMS, k)
-    chunk_ttl(out, CHUNK_TTL_MS)
-    return out
+    return redis.call('LPOP', ITEMS, k)
   end
   local st = redis.call('HMGET', META, 'n', 'rng')
   local n, s = tonumber(st[1]) or 0, tonumber(st[2]) or 1
@@ -123,7 +121,6 @@ local function take(k)
     n = n - 1
   end
   redis.call('HSET', META, 'n', n, 'rng', s)
-  chunk_ttl(out, CHUNK_TTL_MS)
   return out
 end
 
@@ -173,7 +170,7 @@ local function cancel_enqueues(status)
       drop_pending(id)
       signal(id, status)
     else
-      signal(id, 'ok')
+      signal(id, 'already')  -- a later close of a queue that is closed now
     end
   end
   redis.call('DEL', EW)
@@ -296,6 +293,7 @@ local function finalize(id, st)
     if redis.call('ZREM', LEASE, 'r|' .. id) > 0 or redis.call('EXISTS', hk) == 1 then
       local vals = redis.call('LRANGE', hk, 0, -1)
       redis.call('PEXPIRE', hk, RECORD_MS)
+      chunk_ttl(vals, CHUNK_TTL_MS)
       return {'ok', vals}
     end
   end

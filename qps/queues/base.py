@@ -8,9 +8,10 @@ script that makes progress for it pushes the wake token. Nothing polls.
 
 Guarantees beyond TensorFlow's (TF1_SEMANTICS.md §10):
 
-* cancellation atomicity: a call that raises (timeout, asyncio cancellation, client
-  closed) leaves the queue as if it had never been made; elements a dequeue had taken
-  go back to the front in order;
+* cancellation atomicity: a dequeue that raises (timeout, asyncio cancellation, client
+  closed) leaves the queue as if it had never been made: elements it had taken go back
+  to the front in order; an enqueue that raises inserted nothing, except that
+  ``enqueue_many`` keeps the prefix it had already inserted (as in TF);
 * attempts of a process that died are undone when their lease (renewed by every wait)
   runs out;
 * an element that does not decode is moved to the queue's dead-letter list and the
@@ -296,12 +297,24 @@ class QueueBase:
             arr = np.asarray(value)
         except (ValueError, TypeError) as exc:
             raise InvalidArgumentError(f"component {index}: cannot convert {value!r}") from exc
-        if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, dtype, "same_kind"):
+        src, dst = arr.dtype.kind, dtype.kind
+        # Python bools go to bool, ints to any integer or float, floats to floats only.
+        if src not in "biuf" or (dst == "b") != (src == "b") or (dst in "iu" and src == "f"):
             raise InvalidArgumentError(
                 f"Type mismatch in tuple component {index}: expected {dtype.name}, "
                 f"got {value!r} ({arr.dtype.name})"
             )
-        return arr.astype(dtype, copy=False)
+        if dst in "iu" and arr.size:
+            info = np.iinfo(dtype)
+            if int(arr.min()) < info.min or int(arr.max()) > info.max:
+                raise InvalidArgumentError(
+                    f"component {index}: {value!r} is out of range for {dtype.name}"
+                )
+        with np.errstate(over="ignore"):
+            out = arr.astype(dtype)
+        if dst == "f" and not np.array_equal(np.isfinite(out), np.isfinite(arr)):
+            raise InvalidArgumentError(f"component {index}: {value!r} overflows {dtype.name}")
+        return out
 
     def _check_shape(self, arr: np.ndarray, index: int, batch: int | None) -> None:
         shapes = self._spec.shapes
@@ -696,7 +709,9 @@ class QueueBase:
             raise AbortedError(f"unexpected dequeue reply {status!r}")
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
-        blobs = [wire.encode(e) for e in elements]
+        blobs: list[Any] = [_encode_element(e) for e in elements]
+        if any(isinstance(b, list) for b in blobs):
+            blobs = await self._store_large(client, client.new_id(), blobs)
         await client.run_script("requeue", self._keys, [LEASE_MS, *blobs])
 
     def _check_many(self, n: int, op: str) -> None:
