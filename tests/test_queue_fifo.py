@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import qps
+import qps.keys
 from qps.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -558,3 +559,15 @@ async def test_close_queued_behind_a_pending_close_reports_already_closed(client
 
 async def _ew_len(q, n):
     return len(await q._client.commands.lrange(q._keys[2], 0, -1)) == n
+
+
+async def test_delivery_records_do_not_pile_up(client):
+    q = fifo(client, 5, shared_name="rec")
+    for i in range(3):
+        await q.enqueue(i)
+        await q.dequeue()  # leaves one delivery record, dropped by this object's next dequeue
+        await q.enqueue(i)  # an enqueue must not forget to drop it later
+        await q.dequeue()
+    prefix = qps.keys.queue_prefix("default", "rec")
+    records = [k async for k in client.commands.scan_iter(match=prefix + "a:*:h")]
+    assert len(records) <= 1

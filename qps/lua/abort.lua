@@ -1,7 +1,10 @@
 -- abort: ARGV 2 entry, 3 id, 4 why: 'timeout' (the caller gave up waiting),
 -- 'cancel' (the caller's task was cancelled and will never read a reply) or 'kill'
 -- (another task closes the caller's client: the caller is woken with 'cancelled').
--- A timed-out attempt that finished meanwhile is delivered, not undone. Otherwise the
+-- A timed-out attempt that finished meanwhile is delivered, not undone; so is one whose
+-- client is closing (its caller still collects it). A finished enqueue or close cannot be
+-- undone (its elements may already be consumed); a cancelled caller's finished dequeue
+-- puts its elements back. Otherwise the
 -- attempt is undone: a dequeue's elements go back to the front in order, an enqueue's
 -- not-yet-inserted elements are dropped (its inserted prefix stays). A tombstone makes a
 -- late-arriving command of the same attempt a no-op.
@@ -9,7 +12,10 @@ local E, ID, WHY = ARGV[2], ARGV[3], ARGV[4]
 if not KIND then return {'gone'} end
 local st = redis.call('GET', akey(ID, 's'))
 if st == 'aborted' or st == 'cancelled' then return {st} end
-if st and WHY == 'timeout' and st ~= 'expired' then return finalize(ID, st) end
+if st and st ~= 'expired' then
+  if WHY == 'timeout' then return finalize(ID, st) end
+  if WHY == 'kill' then return {'done'} end
+end
 undo(E)
 redis.call('DEL', akey(ID, 'w'))
 if WHY == 'kill' then

@@ -10,8 +10,12 @@ Guarantees beyond TensorFlow's (TF1_SEMANTICS.md §10):
 
 * cancellation atomicity: a dequeue that raises (timeout, asyncio cancellation, client
   closed) leaves the queue as if it had never been made: elements it had taken go back
-  to the front in order; an enqueue that raises inserted nothing, except that
-  ``enqueue_many`` keeps the prefix it had already inserted (as in TF);
+  to the front in order. An enqueue that raises while it waits inserted nothing, except
+  that ``enqueue_many`` keeps the prefix it had already inserted (as in TF). One race
+  cannot be undone: an enqueue (or close) whose task is cancelled at the very moment it
+  completes raises ``asyncio.CancelledError`` although it took effect, exactly once (its
+  elements may already have been consumed). A timeout or a closing client never reports
+  a completed call as failed;
 * attempts of a process that died are undone when their lease (renewed by every wait)
   runs out;
 * an element that does not decode is moved to the queue's dead-letter list and the
@@ -459,7 +463,8 @@ class QueueBase:
             reply: list[Any] = await client.run_script(
                 script, self._keys, [LEASE_MS, entry, aid, *args]
             )
-            self._forget = ""
+            if script == "dequeue":  # it dropped the record named in args
+                self._forget = ""
             while reply[0] in (b"wait", b"pending"):
                 if deadline is None:
                     block = BLOCK_SECONDS
