@@ -2,10 +2,13 @@
 
 A :class:`Client` owns two connection pools to one server:
 
-* ``commands`` for ordinary commands and Lua scripts: a finite socket timeout and
-  **no retries** (a retried ``EVALSHA`` could apply a state transition twice);
-* ``blocking`` for blocking waits (``BLPOP`` on a wake key): the socket timeout is the
-  longest server-side block plus a margin, so a wait never trips it (DESIGN.md §4.4).
+* ``commands`` for ordinary commands and Lua scripts, with **no retries** (a retried
+  ``EVALSHA`` could apply a state transition twice);
+* ``blocking`` for blocking waits (``BLPOP`` on a wake key, at most BLOCK_SECONDS each),
+  so a waiting task never holds up ordinary commands (DESIGN.md §4.4).
+
+Neither sets a per-read socket timeout: redis-py's 5 s default would cut blocking calls,
+and on Python 3.11 any timeout costs a Task per call; TCP keepalive finds dead peers.
 
 Every redis-py error is translated here into :mod:`qps.errors` (``UnavailableError``
 for connection trouble, ``InternalError`` for anything unexpected), so the layers
@@ -39,8 +42,6 @@ URL_ENV = "QPS_REDIS_URL"
 
 #: Longest server-side block of one wait, in seconds; waits loop on it.
 BLOCK_SECONDS = 1.0
-#: Socket timeout of ordinary commands (large payloads included).
-COMMAND_TIMEOUT = 60.0
 
 Arg = bytes | bytearray | memoryview | str | int | float
 ScriptArgs = Sequence[Arg]
@@ -234,9 +235,18 @@ class Client:
 
 def _pools(url: str) -> tuple[aioredis.Redis, aioredis.Redis]:
     no_retry = Retry(NoBackoff(), 0)
-    common: dict[str, Any] = {"socket_connect_timeout": 10.0, "retry": no_retry}
-    commands = aioredis.Redis.from_url(url, socket_timeout=COMMAND_TIMEOUT, **common)
-    blocking = aioredis.Redis.from_url(url, socket_timeout=BLOCK_SECONDS + 30.0, **common)
+    # No per-read socket timeout on either pool: on Python 3.11 redis-py wraps every send
+    # and read in asyncio.wait_for (a new Task each: ~20 us a call). Dead peers are found
+    # by TCP keepalive, and Redis-side leases undo what a vanished caller left pending.
+    common: dict[str, Any] = {
+        "socket_connect_timeout": 10.0,
+        "socket_timeout": None,
+        "retry": no_retry,
+    }
+    if not url.startswith("unix:"):
+        common["socket_keepalive"] = True
+    commands = aioredis.Redis.from_url(url, **common)
+    blocking = aioredis.Redis.from_url(url, **common)
     return commands, blocking
 
 

@@ -1,4 +1,4 @@
--- abort: ARGV 2 entry, 3 id, 4 why: 'timeout' (the caller gave up waiting),
+-- abort: A 2 entry, 3 id, 4 why: 'timeout' (the caller gave up waiting),
 -- 'cancel' (the caller's task was cancelled and will never read a reply) or 'kill'
 -- (another task closes the caller's client: the caller is woken with 'cancelled').
 -- A timed-out attempt that finished meanwhile is delivered, not undone; so is one whose
@@ -8,7 +8,7 @@
 -- attempt is undone: a dequeue's elements go back to the front in order, an enqueue's
 -- not-yet-inserted elements are dropped (its inserted prefix stays). A tombstone makes a
 -- late-arriving command of the same attempt a no-op.
-local E, ID, WHY = ARGV[2], ARGV[3], ARGV[4]
+local E, ID, WHY = A[2], A[3], A[4]
 if not KIND then return {'gone'} end
 local st = redis.call('GET', akey(ID, 's'))
 if st == 'aborted' or st == 'cancelled' then return {st} end

@@ -1,7 +1,8 @@
--- close: ARGV 2 entry 'c|<id>', 3 id, 4 cancel_pending_enqueues (0/1).
+-- close: A 2 id, 3 cancel_pending_enqueues (0/1).
 -- Without cancel the close joins the end of the enqueue attempts and applies once the
 -- earlier ones are done. Returns {'ok'}, {'wait'}, {'already'} or {'gone'}.
-local E, ID, CANCEL = ARGV[2], ARGV[3], (ARGV[4] == '1')
+local ID, CANCEL = A[2], (A[3] == '1')
+local E = 'c|' .. ID
 if not KIND then return {'gone'} end
 reap()
 if CLOSED then

@@ -1,8 +1,8 @@
--- collect: ARGV 2 entry, 3 id, 4 previous delivery record to drop ('' for none).
+-- collect: A 2 entry, 3 id, 4 previous delivery record to drop ('-' for none).
 -- Run by a blocked caller after each wait: the outcome if its attempt finished, else
 -- {'pending'} after renewing its lease. Also reaps attempts of dead callers.
-local E, ID = ARGV[2], ARGV[3]
-if ARGV[4] ~= '' then redis.call('DEL', akey(ARGV[4], 'h')) end
+local E, ID = A[2], A[3]
+if A[4] ~= '-' then redis.call('DEL', akey(A[4], 'h')) end
 if reap() then flush() end
 local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st) end

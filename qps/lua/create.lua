@@ -1,8 +1,8 @@
--- create: ARGV 2 kind, 3 spec (JSON), 4 capacity, 5 min_after_dequeue, 6 RNG seed.
+-- create: A 2 kind, 3 capacity, 4 min_after_dequeue, 5 RNG seed; ARGV[2] spec (JSON).
 -- Returns {'created'} or {'exists', <spec of the existing queue>}; the caller compares.
 if KIND then
   return {'exists', redis.call('HGET', META, 'spec')}
 end
-redis.call('HSET', META, 'kind', ARGV[2], 'spec', ARGV[3], 'cap', ARGV[4], 'min', ARGV[5],
-  'closed', 0, 'enq', 0, 'deq', 0, 'n', 0, 'rng', ARGV[6], 'ctime', NOW)
+redis.call('HSET', META, 'kind', A[2], 'spec', ARGV[2], 'cap', A[3], 'min', A[4],
+  'closed', 0, 'enq', 0, 'deq', 0, 'n', 0, 'rng', A[5], 'ctime', NOW)
 return {'created'}

@@ -1,8 +1,9 @@
--- dequeue: ARGV 2 entry 'd|<n>|<mode>|<id>', 3 id, 4 n, 5 mode (one|many|upto),
--- 6 nowait (0/1), 7 id of the caller's previous delivery record to drop ('' for none).
+-- dequeue: A 2 id, 3 n, 4 mode (one|many|upto), 5 nowait (0/1), 6 id of the caller's
+-- previous delivery record to drop ('-' for none).
 -- Returns {'ok', elements}, {'wait'}, {'oor:<size>'}, {'wouldblock'}, {'aborted'}, {'gone'}.
-local E, ID, N, MODE, NOWAIT = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], (ARGV[6] == '1')
-if ARGV[7] ~= '' then redis.call('DEL', akey(ARGV[7], 'h')) end
+local ID, N, MODE, NOWAIT = A[2], tonumber(A[3]), A[4], (A[5] == '1')
+local E = 'd|' .. A[3] .. '|' .. MODE .. '|' .. ID
+if A[6] ~= '-' then redis.call('DEL', akey(A[6], 'h')) end
 if not KIND then return {'gone'} end
 if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
 reap()

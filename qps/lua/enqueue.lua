@@ -1,7 +1,8 @@
--- enqueue: ARGV 2 entry 'e|<id>', 3 id, 4 nowait (0/1), 5.. encoded elements.
+-- enqueue: A 2 id, 3 nowait (0/1); ARGV[2..] encoded elements.
 -- Inserts what fits now (a prefix); the rest waits in a:<id>:p behind earlier attempts.
 -- Returns {'ok'}, {'wait'}, {'closed'}, {'wouldblock'}, {'aborted'} or {'gone'}.
-local E, ID, NOWAIT = ARGV[2], ARGV[3], (ARGV[4] == '1')
+local ID, NOWAIT = A[2], (A[3] == '1')
+local E = 'e|' .. ID
 if not KIND then return {'gone'} end
 if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
 reap()
@@ -9,7 +10,7 @@ if CLOSED then
   flush()
   return {'closed'}
 end
-local vals = argv_from(5)
+local vals = argv_from(2)
 local total = #vals
 local k = 0
 if redis.call('LLEN', EW) == 0 then

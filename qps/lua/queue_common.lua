@@ -1,8 +1,11 @@
 -- Shared prelude of every queue script (prepended to each one by qps.transport).
 --
--- KEYS: 1 meta (hash), 2 items (list, or hash slot->element for shuffle queues),
---       3 ew (pending enqueue attempts), 4 dw (pending dequeue attempts), 5 lease (zset)
--- ARGV[1] is always the lease length in ms; the rest is per script.
+-- KEYS[1] is the queue's meta hash; its other keys are derived from the same prefix (one
+-- hash tag, one slot): items (list, or hash slot->element for shuffle queues), ew
+-- (pending enqueue attempts), dw (pending dequeue attempts), lease (zset).
+-- ARGV[1] holds the small arguments as space-separated tokens (A[1] is always the lease
+-- length in ms; the rest is per script); ARGV[2..] carry payloads. Few arguments keep
+-- the client's command packing cheap.
 --
 -- Attempt entries (members of ew/dw and of the lease zset):
 --   'e|<id>'            an enqueue still inserting; its elements wait in a:<id>:p
@@ -12,11 +15,14 @@
 -- A finished attempt gets its outcome in a:<id>:s and a token in a:<id>:w (its caller
 -- blocks on that list). All of these keys share the queue's hash tag, hence its slot.
 
-local META, ITEMS, EW, DW, LEASE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local META = KEYS[1]
 local P = string.sub(META, 1, -5)
+local ITEMS, EW, DW, LEASE = P .. 'items', P .. 'ew', P .. 'dw', P .. 'lease'
+local A = {}
+for w in string.gmatch(ARGV[1], '%S+') do A[#A + 1] = w end
 local T = redis.call('TIME')
 local NOW = tonumber(T[1]) * 1000 + math.floor(tonumber(T[2]) / 1000)
-local LEASE_MS = tonumber(ARGV[1])
+local LEASE_MS = tonumber(A[1])
 local RECORD_MS = 60000
 local BATCH = 500
 

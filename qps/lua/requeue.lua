@@ -1,4 +1,4 @@
--- requeue: ARGV 2.. elements a caller took but gives back (in order, to the front).
+-- requeue: ARGV[2..] elements a caller took but gives back (in order, to the front).
 if not KIND then return {'gone'} end
 local vals = argv_from(2)
 push_front(vals)

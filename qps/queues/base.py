@@ -111,7 +111,7 @@ class _Waiters:
 
     async def cancel_all(self) -> None:
         for aid, (qkeys, entry, done) in list(self.blocked.items()):
-            await self.client.run_script("abort", qkeys, [LEASE_MS, entry, aid, "kill"])
+            await self.client.run_script("abort", qkeys, [f"{LEASE_MS} {entry} {aid} kill"])
             try:
                 await asyncio.wait_for(done.wait(), timeout=BLOCK_SECONDS + 2)
             except asyncio.TimeoutError:
@@ -177,6 +177,7 @@ class QueueBase:
         prefix = keys.queue_prefix(self._container, self._name)
         self._prefix = prefix
         self._keys = [prefix + s for s in ("meta", "items", "ew", "dw", "lease")]
+        self._skeys = self._keys[:1]  # scripts get the meta key and derive the others
         self._opened = False
         self._forget = ""  # id of our last delivery record, dropped with the next call
         self._fixed = spec.fully_defined
@@ -231,16 +232,13 @@ class QueueBase:
             rng_seed = int.from_bytes(os.urandom(4), "little") % 2147483646 + 1
         else:
             rng_seed = int(seed) % 2147483646 + 1
+        spec = self._spec
         reply = await client.run_script(
             "create",
-            self._keys,
+            self._skeys,
             [
-                LEASE_MS,
-                self._spec.kind,
-                self._spec.to_json(),
-                self._spec.capacity,
-                self._spec.min_after_dequeue,
-                rng_seed,
+                f"{LEASE_MS} {spec.kind} {spec.capacity} {spec.min_after_dequeue} {rng_seed}",
+                spec.to_json(),
             ],
         )
         if reply[0] == b"exists":
@@ -440,7 +438,7 @@ class QueueBase:
             log.warning(
                 "queue %s/%s: set aside a corrupt element: %s", self._container, self._name, reason
             )
-        await client.run_script("quarantine", self._keys, [LEASE_MS, *records])
+        await client.run_script("quarantine", self._skeys, [str(LEASE_MS), *records])
 
     # -- the attempt loop ---------------------------------------------------------
     async def _attempt(
@@ -449,11 +447,16 @@ class QueueBase:
         script: str,
         entry: str,
         aid: str,
-        args: list[Any],
+        tokens: str,
+        payload: Sequence[Any],
         timeout: float | None,
         what: str,
     ) -> list[Any]:
-        """Run one attempt to completion; returns the final reply."""
+        """Run one attempt to completion; returns the final reply.
+
+        ``tokens``: the script's small arguments after the lease, space-separated;
+        ``payload``: its binary arguments.
+        """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
@@ -461,7 +464,7 @@ class QueueBase:
         done = asyncio.Event()
         try:
             reply: list[Any] = await client.run_script(
-                script, self._keys, [LEASE_MS, entry, aid, *args]
+                script, self._skeys, [f"{LEASE_MS} {tokens}", *payload]
             )
             if script == "dequeue":  # it dropped the record named in args
                 self._forget = ""
@@ -472,7 +475,7 @@ class QueueBase:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         reply = await client.run_script(
-                            "abort", self._keys, [LEASE_MS, entry, aid, "timeout"]
+                            "abort", self._skeys, [f"{LEASE_MS} {entry} {aid} timeout"]
                         )
                         if reply[0] in (b"aborted", b"cancelled"):
                             raise DeadlineExceededError(
@@ -481,14 +484,18 @@ class QueueBase:
                             )
                         break
                     block = min(BLOCK_SECONDS, remaining)
-                waiters.blocked[aid] = (self._keys, entry, done)
+                waiters.blocked[aid] = (self._skeys, entry, done)
                 reply = await client.wait_then_script(
-                    wake, block, "collect", self._keys, [LEASE_MS, entry, aid, self._forget]
+                    wake,
+                    block,
+                    "collect",
+                    self._skeys,
+                    [f"{LEASE_MS} {entry} {aid} {self._forget or '-'}"],
                 )
                 self._forget = ""
         except asyncio.CancelledError:
             await asyncio.shield(
-                client.run_script("abort", self._keys, [LEASE_MS, entry, aid, "cancel"])
+                client.run_script("abort", self._skeys, [f"{LEASE_MS} {entry} {aid} cancel"])
             )
             raise
         finally:
@@ -552,7 +559,7 @@ class QueueBase:
                         pipe.get(key)
                 chunks = await pipe.execute()
         except BaseException:
-            await asyncio.shield(client.run_script("requeue", self._keys, [LEASE_MS, *blobs]))
+            await asyncio.shield(client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs]))
             raise
         out = list(blobs)
         pos = 0
@@ -584,7 +591,8 @@ class QueueBase:
             "enqueue",
             f"e|{aid}",
             aid,
-            ["1" if nowait else "0", *blobs],
+            f"{aid} {int(nowait)}",
+            blobs,
             timeout,
             "enqueue",
         )
@@ -671,7 +679,8 @@ class QueueBase:
                     "dequeue",
                     f"d|{need}|{mode}|{aid}",
                     aid,
-                    [need, mode, "1" if nowait else "0", self._forget],
+                    f"{aid} {need} {mode} {int(nowait)} {self._forget or '-'}",
+                    (),
                     timeout,
                     "dequeue",
                 )
@@ -717,7 +726,7 @@ class QueueBase:
         blobs: list[Any] = [_encode_element(e) for e in elements]
         if any(isinstance(b, list) for b in blobs):
             blobs = await self._store_large(client, client.new_id(), blobs)
-        await client.run_script("requeue", self._keys, [LEASE_MS, *blobs])
+        await client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs])
 
     def _check_many(self, n: int, op: str) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -827,7 +836,8 @@ class QueueBase:
             "close",
             f"c|{aid}",
             aid,
-            ["1" if cancel_pending_enqueues else "0"],
+            f"{aid} {int(cancel_pending_enqueues)}",
+            (),
             timeout,
             "close",
         )
