@@ -114,7 +114,9 @@ async def test_held_large_elements_keep_their_chunks(client):
     while (await q.stats()).held != 1:
         await asyncio.sleep(0.01)
     chunk_keys = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
-    assert chunk_keys and [await client.commands.pttl(k) for k in chunk_keys] == [-1] * len(chunk_keys)
+    assert chunk_keys and [await client.commands.pttl(k) for k in chunk_keys] == [-1] * len(
+        chunk_keys
+    )
     await q.enqueue(np.zeros(n, np.float32))
     out = await task
     assert out.shape == (2, n) and out[0].all() and not out[1].any()

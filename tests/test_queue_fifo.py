@@ -207,6 +207,7 @@ async def test_17_head_of_line_blocking(client):
     assert not one.done() or int(one.result()) == 4
     await q.enqueue(4)
     assert int(await one) == 4
+    await _lease_count_consistent(q)
 
 
 async def test_18_enqueue_after_close(client):
@@ -246,6 +247,7 @@ async def test_20_close_waits_behind_pending_enqueue(client):
     assert int(await q.dequeue()) == 2
     with pytest.raises(OutOfRangeError):
         await q.dequeue()
+    await _lease_count_consistent(q)
 
 
 async def test_21_close_with_cancel(client):
@@ -571,3 +573,9 @@ async def test_delivery_records_do_not_pile_up(client):
     prefix = qps.keys.queue_prefix("default", "rec")
     records = [k async for k in client.commands.scan_iter(match=prefix + "a:*:h")]
     assert len(records) <= 1
+
+
+async def _lease_count_consistent(q):
+    """The waiter count the fast paths trust equals the lease zset's size."""
+    c = q._client.commands
+    assert int(await c.hget(q._keys[0], "w") or 0) == await c.zcard(q._keys[4])

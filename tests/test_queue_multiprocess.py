@@ -85,6 +85,9 @@ async def test_many_processes_exactly_once(redis_url, tmp_path, kind):
                 if p.returncode is None:
                     p.kill()
         stats = await q.stats()
+        assert int(await client.commands.hget(q._keys[0], "w")) == await client.commands.zcard(
+            q._keys[4]
+        )
         await qps.queues.delete_queue(client, name)
     received = [np.load(o) for o in outs]
     allids = np.concatenate(received)

@@ -532,6 +532,9 @@ async def concurrent_round(
         0,
     ), f"{where}: {s}"
     assert s.enqueued_total == s.dequeued_total == sum(want.values()), f"{where}: {s}"
+    q0 = consumers[0]
+    waiting = await q0._client.commands.hget(q0._keys[0], "w")
+    assert int(waiting or 0) == await q0._client.commands.zcard(q0._keys[4]), where
 
 
 @pytest.mark.parametrize("kind", ["fifo", "shuffle"])

@@ -16,12 +16,12 @@ if CANCEL then
   flush()
   return {'ok'}
 end
-if redis.call('LLEN', EW) == 0 then
+if WAITING == 0 or redis.call('LLEN', EW) == 0 then
   redis.call('HSET', META, 'closed', 1)
   CLOSED = true
   flush()
   return {'ok'}
 end
 redis.call('RPUSH', EW, E)
-redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+lease_add(E)
 return {'wait'}

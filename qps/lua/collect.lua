@@ -8,5 +8,5 @@ local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st) end
 if not KIND then return {'gone'} end
 if not redis.call('ZSCORE', LEASE, E) then return {'expired'} end
-redis.call('ZADD', LEASE, 'XX', NOW + LEASE_MS, E)
+redis.call('ZADD', LEASE, 'XX', now() + LEASE_MS, E)
 return {'pending'}

@@ -4,5 +4,5 @@ if KIND then
   return {'exists', redis.call('HGET', META, 'spec')}
 end
 redis.call('HSET', META, 'kind', A[2], 'spec', ARGV[2], 'cap', A[3], 'min', A[4],
-  'closed', 0, 'enq', 0, 'deq', 0, 'n', 0, 'rng', A[5], 'ctime', NOW)
+  'closed', 0, 'enq', 0, 'deq', 0, 'n', 0, 'rng', A[5], 'w', 0, 'ctime', now())
 return {'created'}

@@ -19,7 +19,7 @@ local function deliver(k)
   return {'ok', vals}
 end
 
-if redis.call('LLEN', DW) == 0 then
+if WAITING == 0 or redis.call('LLEN', DW) == 0 then
   local avail = takeable()
   if avail >= N then return deliver(N) end
   if CLOSED or NOWAIT then
@@ -32,7 +32,7 @@ elseif NOWAIT then
   return {'wouldblock'}
 end
 redis.call('RPUSH', DW, E)
-redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+lease_add(E)
 flush()
 local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st) end

@@ -13,7 +13,7 @@ end
 local vals = argv_from(2)
 local total = #vals
 local k = 0
-if redis.call('LLEN', EW) == 0 then
+if WAITING == 0 or redis.call('LLEN', EW) == 0 then
   k = total
   if CAP >= 0 then k = math.min(total, math.max(0, CAP - size())) end
   if NOWAIT and k < total then
@@ -43,7 +43,7 @@ for i = k + 1, total do rest[#rest + 1] = vals[i] end
 rpush_all(akey(ID, 'p'), rest)
 chunk_ttl(rest, nil)
 redis.call('RPUSH', EW, E)
-redis.call('ZADD', LEASE, NOW + LEASE_MS, E)
+lease_add(E)
 flush()
 local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st) end

@@ -20,18 +20,47 @@ local P = string.sub(META, 1, -5)
 local ITEMS, EW, DW, LEASE = P .. 'items', P .. 'ew', P .. 'dw', P .. 'lease'
 local A = {}
 for w in string.gmatch(ARGV[1], '%S+') do A[#A + 1] = w end
-local T = redis.call('TIME')
-local NOW = tonumber(T[1]) * 1000 + math.floor(tonumber(T[2]) / 1000)
 local LEASE_MS = tonumber(A[1])
 local RECORD_MS = 60000
 local BATCH = 500
 
-local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed')
+local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w')
 local KIND = M[1]
 local CAP = tonumber(M[2]) or -1
 local MINAFTER = tonumber(M[3]) or 0
 local CLOSED = (M[4] == '1')
 local SHUFFLE = (KIND == 'shuffle')
+-- Entries in the lease zset, kept in meta field 'w' by lease_add/lease_del (the only
+-- writers of the zset's membership). Every ew/dw entry has a lease, so WAITING == 0 means
+-- nothing is pending: the fast paths then skip reaping and flushing without a call.
+local WAITING = tonumber(M[5]) or 0
+
+local NOW_MS = nil
+local function now()
+  if not NOW_MS then
+    local t = redis.call('TIME')
+    NOW_MS = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW_MS
+end
+
+local function lease_add(e)
+  local n = redis.call('ZADD', LEASE, now() + LEASE_MS, e)
+  if n > 0 then
+    redis.call('HINCRBY', META, 'w', n)
+    WAITING = WAITING + n
+  end
+end
+
+local function lease_del(...)
+  if WAITING == 0 then return 0 end
+  local n = redis.call('ZREM', LEASE, ...)
+  if n > 0 then
+    redis.call('HINCRBY', META, 'w', -n)
+    WAITING = WAITING - n
+  end
+  return n
+end
 
 local function akey(id, suffix)
   return P .. 'a:' .. id .. ':' .. suffix
@@ -153,14 +182,14 @@ local function drop_pending(id)
 end
 
 local function finish_enq(e, id, status)
-  redis.call('ZREM', LEASE, e)
+  lease_del(e)
   signal(id, status)
 end
 
 local function finish_deq(e, id, status, count)
-  redis.call('ZREM', LEASE, e)
+  lease_del(e)
   if status == 'ok' then
-    redis.call('ZADD', LEASE, NOW + LEASE_MS, 'r|' .. id)
+    lease_add('r|' .. id)
     redis.call('HINCRBY', META, 'deq', count)
   end
   signal(id, status)
@@ -171,7 +200,7 @@ local function cancel_enqueues(status)
   local all = redis.call('LRANGE', EW, 0, -1)
   for _, e in ipairs(all) do
     local t, id = parse(e)
-    redis.call('ZREM', LEASE, e)
+    lease_del(e)
     if t == 'e' then
       drop_pending(id)
       signal(id, status)
@@ -186,6 +215,7 @@ end
 -- ew insert what fits, a close at the head closes the queue, the dequeue at the head of
 -- dw takes what it may (head-of-line blocking, as in TensorFlow's attempt lists).
 local function flush()
+  if WAITING == 0 then return end
   local progress = true
   while progress do
     progress = false
@@ -254,7 +284,7 @@ end
 -- the front in order, and the delivered count is corrected.
 local function undo_dequeue(e, id)
   local pending = (redis.call('LREM', DW, 1, e) > 0)
-  redis.call('ZREM', LEASE, e, 'r|' .. id)
+  lease_del(e, 'r|' .. id)
   local hk = akey(id, 'h')
   local vals = redis.call('LRANGE', hk, 0, -1)
   redis.call('DEL', hk)
@@ -266,7 +296,7 @@ end
 
 local function undo_enqueue(e, id)
   redis.call('LREM', EW, 1, e)
-  redis.call('ZREM', LEASE, e)
+  lease_del(e)
   drop_pending(id)
 end
 
@@ -282,7 +312,8 @@ end
 
 -- Attempts whose caller stopped renewing its lease (a dead process) are undone.
 local function reap()
-  local dead = redis.call('ZRANGEBYSCORE', LEASE, '-inf', NOW, 'LIMIT', 0, 32)
+  if WAITING == 0 then return false end
+  local dead = redis.call('ZRANGEBYSCORE', LEASE, '-inf', now(), 'LIMIT', 0, 32)
   for _, e in ipairs(dead) do
     local id = undo(e)
     redis.call('SET', akey(id, 's'), 'expired', 'PX', RECORD_MS)
@@ -296,7 +327,7 @@ local function finalize(id, st)
   redis.call('DEL', akey(id, 's'), akey(id, 'w'))
   if st == 'ok' then
     local hk = akey(id, 'h')
-    if redis.call('ZREM', LEASE, 'r|' .. id) > 0 or redis.call('EXISTS', hk) == 1 then
+    if lease_del('r|' .. id) > 0 or redis.call('EXISTS', hk) == 1 then
       local vals = redis.call('LRANGE', hk, 0, -1)
       redis.call('PEXPIRE', hk, RECORD_MS)
       chunk_ttl(vals, CHUNK_TTL_MS)
