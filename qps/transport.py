@@ -61,11 +61,15 @@ def map_errors() -> Any:
 
 
 def _lua_source(name: str) -> str:
-    """A script's full source: the shared queue library followed by the script body."""
+    """A script's full source: the shared queue library, then the script body as a
+    function whose reply is returned after ``commit()`` wrote back the meta fields."""
     lua = resources.files("qps") / "lua"
     common = (lua / "queue_common.lua").read_text(encoding="utf-8")
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    return common + "\n" + body
+    return (
+        f"{common}\nlocal function main()\n{body}\nend\n"
+        "local reply = main()\ncommit()\nreturn reply\n"
+    )
 
 
 class _Script:

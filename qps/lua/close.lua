@@ -10,15 +10,13 @@ if CLOSED then
   return {'already'}
 end
 if CANCEL then
-  redis.call('HSET', META, 'closed', 1)
-  CLOSED = true
+  set_closed()
   cancel_enqueues('cancelled')
   flush()
   return {'ok'}
 end
-if WAITING == 0 or redis.call('LLEN', EW) == 0 then
-  redis.call('HSET', META, 'closed', 1)
-  CLOSED = true
+if S.w == 0 or redis.call('LLEN', EW) == 0 then
+  set_closed()
   flush()
   return {'ok'}
 end

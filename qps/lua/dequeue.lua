@@ -14,12 +14,12 @@ local function deliver(k)
   rpush_all(hk, vals)
   redis.call('PEXPIRE', hk, RECORD_MS)
   chunk_ttl(vals, CHUNK_TTL_MS)
-  redis.call('HINCRBY', META, 'deq', k)
+  S.deq = S.deq + k
   flush()
   return {'ok', vals}
 end
 
-if WAITING == 0 or redis.call('LLEN', DW) == 0 then
+if S.w == 0 or redis.call('LLEN', DW) == 0 then
   local avail = takeable()
   if avail >= N then return deliver(N) end
   if CLOSED or NOWAIT then

@@ -13,7 +13,7 @@ end
 local vals = argv_from(2)
 local total = #vals
 local k = 0
-if WAITING == 0 or redis.call('LLEN', EW) == 0 then
+if S.w == 0 or redis.call('LLEN', EW) == 0 then
   k = total
   if CAP >= 0 then k = math.min(total, math.max(0, CAP - size())) end
   if NOWAIT and k < total then
@@ -28,7 +28,7 @@ if WAITING == 0 or redis.call('LLEN', EW) == 0 then
     else
       push_back(vals)
     end
-    redis.call('HINCRBY', META, 'enq', k)
+    S.enq = S.enq + k
   end
 elseif NOWAIT then
   flush()

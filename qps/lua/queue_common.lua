@@ -24,16 +24,41 @@ local LEASE_MS = tonumber(A[1])
 local RECORD_MS = 60000
 local BATCH = 500
 
-local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w')
+local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w', 'n', 'enq', 'deq', 'rng')
 local KIND = M[1]
 local CAP = tonumber(M[2]) or -1
 local MINAFTER = tonumber(M[3]) or 0
 local CLOSED = (M[4] == '1')
 local SHUFFLE = (KIND == 'shuffle')
--- Entries in the lease zset, kept in meta field 'w' by lease_add/lease_del (the only
--- writers of the zset's membership). Every ew/dw entry has a lease, so WAITING == 0 means
--- nothing is pending: the fast paths then skip reaping and flushing without a call.
-local WAITING = tonumber(M[5]) or 0
+-- The meta fields a script changes are kept here and written back once, by commit(),
+-- which the wrapper around every script body calls before returning:
+--   n: stored elements of a shuffle queue (a list queue's size is LLEN items, which
+--      stays right even when another client writes to the list directly);
+--   enq/deq: totals inserted/delivered; rng: shuffle generator state;
+--   w: entries in the lease zset (only lease_add/lease_del change its membership). Every
+--      ew/dw entry has a lease, so w == 0 means nothing is pending, and the fast paths
+--      skip reaping and flushing without a call.
+local S = {closed = CLOSED and 1 or 0, w = tonumber(M[5]) or 0, n = tonumber(M[6]) or 0,
+           enq = tonumber(M[7]) or 0, deq = tonumber(M[8]) or 0, rng = tonumber(M[9]) or 1}
+local S0 = {}
+for k, v in pairs(S) do S0[k] = v end
+
+local function commit()
+  if not KIND then return end
+  local args = {}
+  for k, v in pairs(S) do
+    if v ~= S0[k] then
+      args[#args + 1] = k
+      args[#args + 1] = v
+    end
+  end
+  if #args > 0 then redis.call('HSET', META, unpack(args)) end
+end
+
+local function set_closed()
+  CLOSED = true
+  S.closed = 1
+end
 
 local NOW_MS = nil
 local function now()
@@ -45,20 +70,13 @@ local function now()
 end
 
 local function lease_add(e)
-  local n = redis.call('ZADD', LEASE, now() + LEASE_MS, e)
-  if n > 0 then
-    redis.call('HINCRBY', META, 'w', n)
-    WAITING = WAITING + n
-  end
+  S.w = S.w + redis.call('ZADD', LEASE, now() + LEASE_MS, e)
 end
 
 local function lease_del(...)
-  if WAITING == 0 then return 0 end
+  if S.w == 0 then return 0 end
   local n = redis.call('ZREM', LEASE, ...)
-  if n > 0 then
-    redis.call('HINCRBY', META, 'w', -n)
-    WAITING = WAITING - n
-  end
+  S.w = S.w - n
   return n
 end
 
@@ -90,9 +108,7 @@ local function chunk_ttl(vals, ms)
 end
 
 local function size()
-  if SHUFFLE then
-    return tonumber(redis.call('HGET', META, 'n')) or 0
-  end
+  if SHUFFLE then return S.n end
   return redis.call('LLEN', ITEMS)
 end
 
@@ -110,12 +126,10 @@ local function push_back(vals)
   if #vals == 0 then return end
   chunk_ttl(vals, nil)
   if SHUFFLE then
-    local n = tonumber(redis.call('HGET', META, 'n')) or 0
     for i = 1, #vals do
-      redis.call('HSET', ITEMS, n, vals[i])
-      n = n + 1
+      redis.call('HSET', ITEMS, S.n, vals[i])
+      S.n = S.n + 1
     end
-    redis.call('HSET', META, 'n', n)
   else
     rpush_all(ITEMS, vals)
   end
@@ -141,8 +155,7 @@ local function take(k)
   if not SHUFFLE then
     return redis.call('LPOP', ITEMS, k)
   end
-  local st = redis.call('HMGET', META, 'n', 'rng')
-  local n, s = tonumber(st[1]) or 0, tonumber(st[2]) or 1
+  local n, s = S.n, S.rng
   local out = {}
   for i = 1, k do
     s = (s * 48271) % 2147483647
@@ -155,7 +168,7 @@ local function take(k)
     redis.call('HDEL', ITEMS, last)
     n = n - 1
   end
-  redis.call('HSET', META, 'n', n, 'rng', s)
+  S.n, S.rng = n, s
   return out
 end
 
@@ -190,7 +203,7 @@ local function finish_deq(e, id, status, count)
   lease_del(e)
   if status == 'ok' then
     lease_add('r|' .. id)
-    redis.call('HINCRBY', META, 'deq', count)
+    S.deq = S.deq + count
   end
   signal(id, status)
 end
@@ -215,7 +228,7 @@ end
 -- ew insert what fits, a close at the head closes the queue, the dequeue at the head of
 -- dw takes what it may (head-of-line blocking, as in TensorFlow's attempt lists).
 local function flush()
-  if WAITING == 0 then return end
+  if S.w == 0 then return end
   local progress = true
   while progress do
     progress = false
@@ -225,8 +238,7 @@ local function flush()
       local t, id = parse(e)
       if t == 'c' then
         redis.call('LPOP', EW)
-        redis.call('HSET', META, 'closed', 1)
-        CLOSED = true
+        set_closed()
         finish_enq(e, id, 'ok')
         cancel_enqueues('closed')
         progress = true
@@ -239,7 +251,7 @@ local function flush()
       local vals = redis.call('LPOP', pk, space)
       if vals then
         push_back(vals)
-        redis.call('HINCRBY', META, 'enq', #vals)
+        S.enq = S.enq + #vals
         progress = true
       end
       if redis.call('LLEN', pk) > 0 then break end
@@ -290,7 +302,7 @@ local function undo_dequeue(e, id)
   redis.call('DEL', hk)
   push_front(vals)
   if not pending and #vals > 0 then
-    redis.call('HINCRBY', META, 'deq', -#vals)
+    S.deq = S.deq - #vals
   end
 end
 
@@ -312,7 +324,7 @@ end
 
 -- Attempts whose caller stopped renewing its lease (a dead process) are undone.
 local function reap()
-  if WAITING == 0 then return false end
+  if S.w == 0 then return false end
   local dead = redis.call('ZRANGEBYSCORE', LEASE, '-inf', now(), 'LIMIT', 0, 32)
   for _, e in ipairs(dead) do
     local id = undo(e)

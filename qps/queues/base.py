@@ -899,16 +899,14 @@ async def queue_stats(
         if not meta:
             raise NotFoundError(f"no queue '{name}' in container '{container}'")
         spec = QueueSpec.from_json(meta[b"spec"])
+        shuffle = spec.kind == "shuffle"
         pipe = client.commands.pipeline(transaction=False)
-        if spec.kind != "shuffle":
-            pipe.llen(prefix + "items")
+        pipe.hget(prefix + "meta", "n") if shuffle else pipe.llen(prefix + "items")
         for e in dw:
             pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
-        counts = await pipe.execute() if len(pipe) else []
-    if spec.kind == "shuffle":
-        size, held = int(meta.get(b"n", 0)), sum(counts)
-    else:
-        size, held = int(counts[0]), sum(counts[1:])
+        stored, *holds = await pipe.execute()
+        held = sum(holds)
+    size = int(stored or 0)
     return QueueStats(
         name=name,
         container=container,
