@@ -110,6 +110,8 @@ class _Waiters:
         client.on_close(self.cancel_all)
 
     async def cancel_all(self) -> None:
+        if _waiters.get(id(self.client)) is self:
+            del _waiters[id(self.client)]
         for aid, (qkeys, entry, done) in list(self.blocked.items()):
             await self.client.run_script("abort", qkeys, [f"{LEASE_MS} {entry} {aid} kill"])
             try:
