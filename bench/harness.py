@@ -169,7 +169,11 @@ class BenchServer:
         if self._given_url:
             u = urlparse(self._given_url)
             local = u.scheme in ("redis", "rediss") and u.hostname in (
-                None, "", "localhost", "127.0.0.1", "::1",
+                None,
+                "",
+                "localhost",
+                "127.0.0.1",
+                "::1",
             )
             if local and (u.port or 6379) == 6379:
                 raise SystemExit("refusing the machine's Redis on port 6379: give another URL")
@@ -180,8 +184,17 @@ class BenchServer:
             raise SystemExit("redis-server is not on PATH; install it or pass --url")
         self._dir = tempfile.mkdtemp(prefix="qpsbench-")
         cmd = [
-            binary, "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--dir", self._dir, "--logfile", os.path.join(self._dir, "redis.log"),
+            binary,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            self._dir,
+            "--logfile",
+            os.path.join(self._dir, "redis.log"),
         ]
         if self._unix:
             sock = os.path.join(self._dir, "redis.sock")
@@ -231,7 +244,11 @@ class BenchServer:
         cfg = {**r.config_get("save"), **r.config_get("appendonly")}
         name = "valkey-server" if "valkey_version" in info else "redis-server"
         version = info.get("valkey_version") or info.get("redis_version")
-        how = f"dedicated, started by the harness (pid {self._proc.pid})" if self._proc else "given by --url"
+        how = (
+            f"dedicated, started by the harness (pid {self._proc.pid})"
+            if self._proc
+            else "given by --url"
+        )
         transport = "unix socket" if self.url.startswith("unix://") else "TCP loopback"
         return {
             "server": f"{name} {version} ({how})",
@@ -334,16 +351,27 @@ async def execute(
             if profile_dir:
                 cmd += ["-m", "cProfile", "-o", os.path.join(profile_dir, f"{name}-p{i}.prof")]
             cmd += [
-                str(BENCH_DIR / run.script), *args, "--url", url, "--name", name,
-                "--timeout", str(call_timeout), "--limit", str(limit),
+                str(BENCH_DIR / run.script),
+                *args,
+                "--url",
+                url,
+                "--name",
+                name,
+                "--timeout",
+                str(call_timeout),
+                "--limit",
+                str(limit),
             ]
             err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
             errs.append(err)
             logs.append([])
             procs.append(
                 await asyncio.create_subprocess_exec(
-                    *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=err, limit=2**24,
+                    *cmd,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=err,
+                    limit=2**24,
                 )
             )
         i = 0
@@ -361,7 +389,7 @@ async def execute(
             results = []
             for i, p in enumerate(procs):
                 line = await _read_until(p, b"RESULT ", deadline, logs[i])
-                results.append(json.loads(line[len(b"RESULT "):]))
+                results.append(json.loads(line[len(b"RESULT ") :]))
             for i, p in enumerate(procs):  # noqa: B007 (i names the culprit below)
                 rc = await asyncio.wait_for(p.wait(), 30)
                 if rc != 0:
@@ -370,7 +398,9 @@ async def execute(
             what = str(exc) or "timed out"
             raise RunFailed(
                 f"{run.script} process {i} ({' '.join(run.procs[i])}): {what}\n"
-                + "\n".join(logs[i][-10:]) + "\n" + _tail(errs[i])
+                + "\n".join(logs[i][-10:])
+                + "\n"
+                + _tail(errs[i])
             ) from None
         for i, r in enumerate(results):
             if not r.get("ok"):
@@ -473,8 +503,10 @@ def machine_info() -> dict[str, str]:
 
 def report(measured: list[Measured], header: dict[str, str], command: str) -> str:
     """The Markdown report: header lines, the table, percentiles, failures."""
-    lines = [f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-             f"- command: `{command}`"]
+    lines = [
+        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"- command: `{command}`",
+    ]
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += [
         "",
@@ -491,8 +523,13 @@ def report(measured: list[Measured], header: dict[str, str], command: str) -> st
         )
     pooled = [m for m in measured if m.row.samples is not None]
     for m in pooled:
-        lines += ["", f"{m.row.label}, all samples pooled over the repetitions (ms):", "",
-                  "| impl | samples | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"{m.row.label}, all samples pooled over the repetitions (ms):",
+            "",
+            "| impl | samples | p50 | p90 | p99 | max |",
+            "|---|---|---|---|---|---|",
+        ]
         for impl in ("qps", "raw"):
             s = m.samples[impl]
             if s:
@@ -541,7 +578,11 @@ async def _measure(
                 t0 = time.monotonic()
                 try:
                     results = await execute(
-                        run, server.url, name, limit=args.limit, call_timeout=args.timeout,
+                        run,
+                        server.url,
+                        name,
+                        limit=args.limit,
+                        call_timeout=args.timeout,
                         profile_dir=args.profile,
                     )
                 except RunFailed as exc:
@@ -576,28 +617,50 @@ def bench_main(rows_fn: Callable[[bool], list[Row]], description: str) -> None:
     """Command line of a benchmark: run ``rows_fn(quick)`` and print/write the report."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 1 repetition and smaller counts")
-    p.add_argument("--unix", action="store_true",
-                   help="the dedicated server listens on a unix socket instead of TCP")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: 1 repetition and smaller counts"
+    )
+    p.add_argument(
+        "--unix",
+        action="store_true",
+        help="the dedicated server listens on a unix socket instead of TCP",
+    )
     p.add_argument("--url", help="use this existing server (it is FLUSHALLed between runs!)")
-    p.add_argument("--only", action="append", default=[],
-                   help="run only rows whose key contains this (repeatable)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only rows whose key contains this (repeatable)",
+    )
     p.add_argument("--out", help="also write the Markdown report to this file")
-    p.add_argument("--limit", type=float, default=DEFAULT_LIMIT,
-                   help="wall-clock limit per process, s")
-    p.add_argument("--timeout", type=float, default=DEFAULT_CALL_TIMEOUT,
-                   help="timeout of every blocking call, s")
-    p.add_argument("--profile", metavar="DIR",
-                   help="run each process under cProfile (1 repetition), write DIR/*.prof "
-                        "and DIR/profiles.txt")
+    p.add_argument(
+        "--limit", type=float, default=DEFAULT_LIMIT, help="wall-clock limit per process, s"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT,
+        help="timeout of every blocking call, s",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run each process under cProfile (1 repetition), write DIR/*.prof "
+        "and DIR/profiles.txt",
+    )
     p.add_argument("--profile-top", type=int, default=25)
-    p.add_argument("--server-stats", action="store_true",
-                   help="reset the server's command statistics before each run and print "
-                        "the commands that took the most server time after it")
-    p.add_argument("--qps-src", metavar="DIR",
-                   help="measure the qps package found in DIR (prepended to PYTHONPATH), e.g. "
-                        "a snapshot of a library that is being edited")
+    p.add_argument(
+        "--server-stats",
+        action="store_true",
+        help="reset the server's command statistics before each run and print "
+        "the commands that took the most server time after it",
+    )
+    p.add_argument(
+        "--qps-src",
+        metavar="DIR",
+        help="measure the qps package found in DIR (prepended to PYTHONPATH), e.g. "
+        "a snapshot of a library that is being edited",
+    )
     args = p.parse_args()
     if args.qps_src:
         src = os.path.abspath(args.qps_src)

@@ -186,8 +186,11 @@ def rows(quick: bool) -> list[harness.Row]:
             key = f"W1{'' if batch == 1 else 'x100'}{'a' if procs == 1 else 'b'}"
             out.append(
                 harness.Row(
-                    key, f"W1 {what}, {place}", "el/s",
-                    qps=run("qps", batch, procs), raw=run("raw", batch, procs),
+                    key,
+                    f"W1 {what}, {place}",
+                    "el/s",
+                    qps=run("qps", batch, procs),
+                    raw=run("raw", batch, procs),
                 )
             )
     return out

@@ -48,7 +48,10 @@ class QpsSide:
         import qps
 
         return qps.FIFOQueue(
-            CAPACITY, [np.float32, np.int64], shapes=[[784], []], shared_name=name,
+            CAPACITY,
+            [np.float32, np.int64],
+            shapes=[[784], []],
+            shared_name=name,
             client=self.client,
         )
 
@@ -177,8 +180,13 @@ def rows(quick: bool) -> list[harness.Row]:
 
     return [
         harness.Row(
-            f"W2{'a' if procs == 1 else 'b'}", f"W2 batches of 128, {place}", "el/s (MB/s)",
-            qps=run("qps", procs), raw=run("raw", procs), fmt=fmt, fmt_range="{:,.0f}".format,
+            f"W2{'a' if procs == 1 else 'b'}",
+            f"W2 batches of 128, {place}",
+            "el/s (MB/s)",
+            qps=run("qps", procs),
+            raw=run("raw", procs),
+            fmt=fmt,
+            fmt_range="{:,.0f}".format,
         )
         for procs, place in ((1, "1 process"), (2, "2 processes"))
     ]

@@ -30,6 +30,7 @@ async def run_qps(args: argparse.Namespace, data: np.ndarray, barrier: harness.B
 
     t = args.timeout
     async with await qps.connect(args.url) as c:
+
         def queue(name: str) -> Any:
             return qps.FIFOQueue(1, np.float32, shapes=[[SIZE]], shared_name=name, client=c)
 
@@ -82,8 +83,12 @@ def rows(quick: bool) -> list[harness.Row]:
 
     return [
         harness.Row(
-            "W3", "W3 16 MiB put + get, 1 process", "GiB/s",
-            qps=run("qps"), raw=run("raw"), fmt="{:.3f}".format,
+            "W3",
+            "W3 16 MiB put + get, 1 process",
+            "GiB/s",
+            qps=run("qps"),
+            raw=run("raw"),
+            fmt="{:.3f}".format,
         )
     ]
 

@@ -118,9 +118,14 @@ def rows(quick: bool) -> list[harness.Row]:
 
     return [
         harness.Row(
-            "wake", "wake latency, blocked dequeue in another process (median of the run)",
-            "ms", qps=run("qps"), raw=run("raw"), lower_is_better=True,
-            fmt="{:.3f}".format, samples=_latencies,
+            "wake",
+            "wake latency, blocked dequeue in another process (median of the run)",
+            "ms",
+            qps=run("qps"),
+            raw=run("raw"),
+            lower_is_better=True,
+            fmt="{:.3f}".format,
+            samples=_latencies,
         )
     ]
 
