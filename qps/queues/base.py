@@ -52,8 +52,9 @@ from qps.transport import BLOCK_SECONDS, Client
 log = logging.getLogger("qps.queue")
 
 #: A blocked caller renews its attempt's lease on every wait (each BLOCK_SECONDS); a
-#: caller silent for this long is taken for dead and its attempt is undone.
-LEASE_MS = 10_000
+#: caller silent for this long is taken for dead and its attempt is undone. Set by
+#: ``QPS_LEASE_MS`` (at least 3 x BLOCK_SECONDS, so that a live caller never expires).
+LEASE_MS = max(int(os.environ.get("QPS_LEASE_MS", "10000")), int(3000 * BLOCK_SECONDS))
 
 Element = Any  # an array, a list of arrays, or a dict of arrays
 
