@@ -65,7 +65,7 @@ async def test_garbage_single_dequeue_moves_on(client):
 
 
 async def test_large_elements_travel_in_chunks(client):
-    from qps.queues.base import CHUNK_BYTES
+    from qps.queues.large import CHUNK_BYTES
 
     n = (3 * CHUNK_BYTES) // 4 + 1000  # float32: ~3 MiB, 4 chunks
     q = qps.FIFOQueue(1, [np.float32, np.int64], shapes=[[n], []], shared_name="big", client=client)
@@ -88,7 +88,7 @@ async def test_large_elements_travel_in_chunks(client):
 
 
 async def test_missing_chunks_are_reported_and_skipped(client):
-    from qps.queues.base import CHUNK_BYTES
+    from qps.queues.large import CHUNK_BYTES
 
     n = CHUNK_BYTES // 2
     q = qps.FIFOQueue(5, np.float32, shapes=[[n]], shared_name="big3", client=client)
@@ -102,7 +102,7 @@ async def test_missing_chunks_are_reported_and_skipped(client):
 
 
 async def test_held_large_elements_keep_their_chunks(client):
-    from qps.queues.base import CHUNK_BYTES
+    from qps.queues.large import CHUNK_BYTES
 
     n = CHUNK_BYTES // 2  # 2 MiB of float32: 2 chunks (+ header)
     q = qps.FIFOQueue(5, np.float32, shapes=[[n]], shared_name="held", client=client)

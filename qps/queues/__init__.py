@@ -1,7 +1,8 @@
 """Redis-backed queues with TensorFlow 1.x semantics."""
 
-from qps.queues.base import (
-    QueueBase,
+from qps.queues.base import QueueBase
+from qps.queues.fifo import FIFOQueue
+from qps.queues.inspect import (
     QueueStats,
     StoredElement,
     delete_queue,
@@ -9,7 +10,6 @@ from qps.queues.base import (
     peek_blobs,
     queue_stats,
 )
-from qps.queues.fifo import FIFOQueue
 from qps.queues.padding import PaddingFIFOQueue
 from qps.queues.shuffle import RandomShuffleQueue
 from qps.queues.spec import QueueSpec

@@ -29,7 +29,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
@@ -46,112 +45,15 @@ from qps.errors import (
     OutOfRangeError,
     WouldBlockError,
 )
+from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
+from qps.queues.large import CHUNK_BYTES, REF, encode_element, fetch_large, nbytes, store_large
 from qps.queues.spec import QueueSpec, Shape, format_shape
+from qps.queues.waiters import LEASE_MS, default_client, waiters_of
 from qps.transport import BLOCK_SECONDS, Client
 
 log = logging.getLogger("qps.queue")
 
-#: A blocked caller renews its attempt's lease on every wait (each BLOCK_SECONDS); a
-#: caller silent for this long is taken for dead and its attempt is undone. Set by
-#: ``QPS_LEASE_MS`` (at least 3 x BLOCK_SECONDS, so that a live caller never expires).
-LEASE_MS = max(int(os.environ.get("QPS_LEASE_MS", "10000")), int(3000 * BLOCK_SECONDS))
-
 Element = Any  # an array, a list of arrays, or a dict of arrays
-
-#: Elements larger than this travel out of line, as chunks of this size (DESIGN.md §4.5:
-#: about 2x faster than one large value through redis-py and hiredis).
-CHUNK_BYTES = 1 << 20
-#: Chunks written by a producer expire unless their element gets into the queue.
-CHUNK_TTL_MS = 600_000
-_REF = b"QR|"
-
-
-@dataclass(frozen=True)
-class QueueStats:
-    """A snapshot of a queue, read without changing it.
-
-    Attributes:
-        name, container: where it lives.
-        spec: its :class:`QueueSpec`.
-        size: stored elements (elements held by pending dequeues not counted, as in TF).
-        closed: whether ``close`` has taken effect.
-        enqueued_total / dequeued_total: elements ever inserted / delivered.
-        pending_enqueues / pending_dequeues: blocked attempts (callers waiting).
-        held: elements taken by pending dequeues that are still collecting a batch.
-        pending_close: a ``close()`` waits behind earlier enqueues.
-        dead_letters: elements that failed to decode and were set aside.
-    """
-
-    name: str
-    container: str
-    spec: QueueSpec
-    size: int
-    closed: bool
-    enqueued_total: int
-    dequeued_total: int
-    pending_enqueues: int
-    pending_dequeues: int
-    held: int
-    pending_close: bool
-    dead_letters: int
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "spec"}
-        d.update(self.spec.describe())
-        return d
-
-
-class _Waiters:
-    """The attempts of one client that are blocked right now, so that closing the client
-    can wake them with CancelledError (TF: Session.close cancels pending ops)."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.blocked: dict[str, tuple[list[str], str, asyncio.Event]] = {}
-        client.on_close(self.cancel_all)
-
-    async def cancel_all(self) -> None:
-        if _waiters.get(id(self.client)) is self:
-            del _waiters[id(self.client)]
-        for aid, (qkeys, entry, done) in list(self.blocked.items()):
-            await self.client.run_script("abort", qkeys, [f"{LEASE_MS} {entry} {aid} kill"])
-            try:
-                await asyncio.wait_for(done.wait(), timeout=BLOCK_SECONDS + 2)
-            except asyncio.TimeoutError:
-                log.warning("blocked call %s did not finish after its client closed", aid)
-
-
-_waiters: dict[int, _Waiters] = {}
-
-
-def _waiters_of(client: Client) -> _Waiters:
-    w = _waiters.get(id(client))
-    if w is None or w.client is not client:
-        w = _waiters[id(client)] = _Waiters(client)
-    return w
-
-
-_default_client: Client | None = None
-_default_lock: asyncio.Lock | None = None
-
-
-async def default_client() -> Client:
-    """The process-wide client used by queues created without ``client=``.
-
-    It connects to ``$QPS_REDIS_URL`` or the local embedded server (see
-    :func:`qps.transport.connect`).
-    """
-    global _default_client, _default_lock
-    if _default_client is not None and not _default_client.closed:
-        return _default_client
-    if _default_lock is None:
-        _default_lock = asyncio.Lock()
-    async with _default_lock:
-        if _default_client is None or _default_client.closed:
-            from qps.transport import connect
-
-            _default_client = await connect()
-    return _default_client
 
 
 class QueueBase:
@@ -409,7 +311,7 @@ class QueueBase:
     ) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
         good, bad = [], []
         for b in blobs:
-            if b.startswith(_REF):
+            if b.startswith(REF):
                 bad.append((bytes(b), "the chunks of a large element are missing"))
                 continue
             try:
@@ -463,7 +365,7 @@ class QueueBase:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
-        waiters = _waiters_of(client)
+        waiters = waiters_of(client)
         done = asyncio.Event()
         try:
             reply: list[Any] = await client.run_script(
@@ -521,74 +423,13 @@ class QueueBase:
         return reply
 
     # -- enqueue ------------------------------------------------------------------
-    async def _store_large(self, client: Client, aid: str, blobs: Sequence[Any]) -> list[Any]:
-        """Write elements over CHUNK_BYTES as chunk keys; return the blobs with those
-        elements replaced by references."""
-        from qps.transport import map_errors
-
-        out: list[Any] = []
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for i, blob in enumerate(blobs):
-                parts = blob if isinstance(blob, list) else [blob]
-                total = sum(_nbytes(p) for p in parts)
-                if total <= CHUNK_BYTES:
-                    out.append(parts[0] if len(parts) == 1 else b"".join(parts))
-                    continue
-                bid = f"{aid}.{i}"
-                chunks = _chunks_of(parts, CHUNK_BYTES)
-                for k, chunk in enumerate(chunks):
-                    pipe.set(f"{self._prefix}b:{bid}:{k}", chunk, px=CHUNK_TTL_MS)
-                out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
-            if len(pipe):
-                await pipe.execute()
-        return out
-
-    async def _fetch_large(self, client: Client, blobs: list[Any]) -> list[Any]:
-        """Replace references by the elements' bytes, read from their chunks.
-
-        The chunks are deleted only once every element is assembled: a caller cancelled
-        before that puts the references back at the front, chunks intact.
-        """
-        from qps.transport import map_errors
-
-        refs = [(i, b.decode().split("|")) for i, b in enumerate(blobs) if b.startswith(_REF)]
-        names = [[f"{self._prefix}b:{r[1]}:{k}" for k in range(int(r[2]))] for _, r in refs]
-        try:
-            with map_errors():
-                pipe = client.commands.pipeline(transaction=False)
-                for ks in names:
-                    for key in ks:
-                        pipe.get(key)
-                chunks = await pipe.execute()
-        except BaseException:
-            await asyncio.shield(client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs]))
-            raise
-        out = list(blobs)
-        pos = 0
-        for (i, r), ks in zip(refs, names):
-            parts = chunks[pos : pos + len(ks)]
-            pos += len(ks)
-            if any(c is None for c in parts):
-                continue  # left as a reference: reported as missing by _split_bad
-            buf = bytearray(int(r[3]))
-            view = memoryview(buf)
-            at = 0
-            for c in parts:
-                view[at : at + len(c)] = c
-                at += len(c)
-            out[i] = buf if at == len(buf) else blobs[i]
-        with map_errors():
-            await client.commands.unlink(*[k for ks in names for k in ks])
-        return out
-
     async def _enqueue_blobs(
         self, blobs: Sequence[Any], timeout: float | None, nowait: bool
     ) -> None:
         client = await self._c()
         aid = client.new_id()
-        if any(isinstance(b, list) or _nbytes(b) > CHUNK_BYTES for b in blobs):
-            blobs = await self._store_large(client, aid, blobs)
+        if any(isinstance(b, list) or nbytes(b) > CHUNK_BYTES for b in blobs):
+            blobs = await store_large(client, self._prefix, aid, blobs)
         reply = await self._attempt(
             client,
             "enqueue",
@@ -625,7 +466,7 @@ class QueueBase:
             DeadlineExceededError: ``timeout`` seconds passed; nothing was inserted.
         """
         arrays = self._prepare_one(vals)
-        await self._enqueue_blobs([_encode_element(arrays)], timeout, False)
+        await self._enqueue_blobs([encode_element(arrays)], timeout, False)
 
     async def enqueue_nowait(self, vals: Any) -> None:
         """:meth:`enqueue` that never waits.
@@ -635,7 +476,7 @@ class QueueBase:
             InvalidArgumentError, CancelledError: as :meth:`enqueue`.
         """
         arrays = self._prepare_one(vals)
-        await self._enqueue_blobs([_encode_element(arrays)], None, True)
+        await self._enqueue_blobs([encode_element(arrays)], None, True)
 
     async def enqueue_many(self, vals: Any, *, timeout: float | None = None) -> None:
         """Insert the slices of a batch (dimension 0) as separate elements, in order.
@@ -695,8 +536,8 @@ class QueueBase:
             if status == b"ok":
                 self._forget = aid
                 blobs = reply[1]
-                if any(b.startswith(_REF) for b in blobs):
-                    blobs = await self._fetch_large(client, blobs)
+                if any(b.startswith(REF) for b in blobs):
+                    blobs = await fetch_large(client, self._prefix, self._skeys, blobs)
                 if self._fixed and len(blobs) > 1 and not got:
                     assert self._spec.shapes is not None
                     batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes)  # type: ignore[arg-type]
@@ -726,9 +567,9 @@ class QueueBase:
             raise AbortedError(f"unexpected dequeue reply {status!r}")
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
-        blobs: list[Any] = [_encode_element(e) for e in elements]
+        blobs: list[Any] = [encode_element(e) for e in elements]
         if any(isinstance(b, list) for b in blobs):
-            blobs = await self._store_large(client, client.new_id(), blobs)
+            blobs = await store_large(client, self._prefix, client.new_id(), blobs)
         await client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs])
 
     def _check_many(self, n: int, op: str) -> None:
@@ -876,183 +717,3 @@ class QueueBase:
         client = await self._c()
         stored = await peek_blobs(client, self._name, self._container, k)
         return [self._format(self._decode_one(e.blob)) for e in stored]
-
-
-# -- inspection helpers (used by the CLI) -------------------------------------------------
-
-
-async def queue_stats(
-    client: Client, name: str, container: str = keys.DEFAULT_CONTAINER
-) -> QueueStats:
-    """Read a queue's :class:`QueueStats` by name.
-
-    Raises:
-        NotFoundError: no such queue in ``container``.
-    """
-    from qps.transport import map_errors
-
-    prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(prefix + "meta")
-        pipe.lrange(prefix + "ew", 0, -1)
-        pipe.lrange(prefix + "dw", 0, -1)
-        pipe.llen(prefix + "dlq")
-        meta, ew, dw, dlq = await pipe.execute()
-        if not meta:
-            raise NotFoundError(f"no queue '{name}' in container '{container}'")
-        spec = QueueSpec.from_json(meta[b"spec"])
-        shuffle = spec.kind == "shuffle"
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hget(prefix + "meta", "n") if shuffle else pipe.llen(prefix + "items")
-        for e in dw:
-            pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
-        stored, *holds = await pipe.execute()
-        held = sum(holds)
-    size = int(stored or 0)
-    return QueueStats(
-        name=name,
-        container=container,
-        spec=spec,
-        size=size,
-        closed=meta.get(b"closed") == b"1",
-        enqueued_total=int(meta.get(b"enq", 0)),
-        dequeued_total=int(meta.get(b"deq", 0)),
-        pending_enqueues=sum(1 for e in ew if e.startswith(b"e|")),
-        pending_dequeues=len(dw),
-        held=held,
-        pending_close=any(e.startswith(b"c|") for e in ew),
-        dead_letters=int(dlq),
-    )
-
-
-@dataclass(frozen=True)
-class StoredElement:
-    """A stored element's bytes as :func:`peek_blobs` read them.
-
-    Attributes:
-        blob: the element's encoded bytes (a large element's chunks joined), or the raw
-            reference when its chunks cannot be read.
-        chunks: how many chunks a large element was stored in (0: stored inline).
-        error: why a large element could not be assembled, else None.
-    """
-
-    blob: bytes
-    chunks: int = 0
-    error: str | None = None
-
-
-async def _assemble(client: Client, prefix: str, ref: bytes) -> StoredElement:
-    """Read a large element's chunks, leaving them in place, and join them."""
-    from qps.transport import map_errors
-
-    try:
-        _, bid, count, total = ref.decode("ascii").split("|")
-        nchunks, nbytes = int(count), int(total)
-    except ValueError:  # not a reference after all (UnicodeDecodeError included)
-        return StoredElement(ref)
-    with map_errors():
-        parts = await client.commands.mget([f"{prefix}b:{bid}:{k}" for k in range(nchunks)])
-    found = [_as_bytes(p) for p in parts if p is not None]
-    if len(found) != nchunks:
-        return StoredElement(ref, nchunks, "a large element whose chunks are missing")
-    blob = b"".join(found)
-    if len(blob) != nbytes:
-        why = f"a large element of {len(blob)} bytes, {nbytes} expected"
-        return StoredElement(ref, nchunks, why)
-    return StoredElement(blob, nchunks)
-
-
-async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[StoredElement]:
-    """Up to ``k`` stored elements' bytes (large ones assembled), changing nothing.
-
-    FIFO and padding queues give the next ``k`` out; a shuffle queue gives ``k`` of its
-    elements (which one leaves next is drawn at dequeue time).
-
-    Raises:
-        NotFoundError: no such queue in ``container``.
-    """
-    from qps.transport import map_errors
-
-    prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        kind = await client.commands.hget(prefix + "meta", "kind")
-        if kind is None:
-            raise NotFoundError(f"no queue '{name}' in container '{container}'")
-        if k <= 0:
-            return []
-        if kind == b"shuffle":
-            n = int(await client.commands.hget(prefix + "meta", "n") or 0)
-            fields = list(range(min(k, n)))
-            got = await client.commands.hmget(prefix + "items", fields) if fields else []
-            raw = [_as_bytes(b) for b in got if b is not None]
-        else:
-            raw = [_as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
-    return [
-        await _assemble(client, prefix, b) if b.startswith(_REF) else StoredElement(b) for b in raw
-    ]
-
-
-async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
-    """Names of the queues registered in ``container``, sorted."""
-    from qps.transport import map_errors
-
-    with map_errors():
-        names = await client.commands.smembers(keys.container_queues(container))
-    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
-
-
-async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:
-    """Delete every key of a queue (pending attempts included); returns keys deleted."""
-    from qps.transport import map_errors
-
-    prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        found = [
-            k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)
-        ]
-        n = 0
-        for i in range(0, len(found), 500):
-            n += await client.commands.delete(*found[i : i + 500])
-        await client.commands.srem(keys.container_queues(container), name)
-    return int(n)
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
-
-
-def _as_bytes(x: bytes | str) -> bytes:
-    return x if isinstance(x, bytes) else x.encode()
-
-
-def _nbytes(blob: Any) -> int:
-    return blob.nbytes if isinstance(blob, memoryview) else len(blob)
-
-
-def _encode_element(arrays: list[np.ndarray]) -> Any:
-    """One element's bytes; a large one as its parts (header, buffers: no copy)."""
-    if sum(a.nbytes for a in arrays) <= CHUNK_BYTES:
-        return wire.encode(arrays)
-    return [p if isinstance(p, bytes) else p.cast("B") for p in wire.encode_parts(arrays)]
-
-
-def _chunks_of(parts: list[Any], size: int) -> list[Any]:
-    """Cut the concatenation of ``parts`` into pieces of ``size`` bytes, copying only
-    where a piece spans several parts."""
-    out: list[Any] = []
-    pending: list[Any] = []
-    pending_len = 0
-    for part in parts:
-        view = memoryview(part).cast("B") if not isinstance(part, memoryview) else part
-        while len(view):
-            take = min(size - pending_len, len(view))
-            pending.append(view[:take])
-            pending_len += take
-            view = view[take:]
-            if pending_len == size:
-                out.append(pending[0] if len(pending) == 1 else b"".join(pending))
-                pending, pending_len = [], 0
-    if pending:
-        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
-    return out

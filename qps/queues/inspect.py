@@ -1,0 +1,183 @@
+"""Reading a queue without changing it, by name: stats, stored elements, listing and
+deleting (used by the CLI and by the queue objects' ``stats``/``peek``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qps import keys
+from qps.errors import NotFoundError
+from qps.queues.large import REF
+from qps.queues.spec import QueueSpec
+from qps.transport import Client, map_errors
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A snapshot of a queue, read without changing it.
+
+    Attributes:
+        name, container: where it lives.
+        spec: its :class:`QueueSpec`.
+        size: stored elements (elements held by pending dequeues not counted, as in TF).
+        closed: whether ``close`` has taken effect.
+        enqueued_total / dequeued_total: elements ever inserted / delivered.
+        pending_enqueues / pending_dequeues: blocked attempts (callers waiting).
+        held: elements taken by pending dequeues that are still collecting a batch.
+        pending_close: a ``close()`` waits behind earlier enqueues.
+        dead_letters: elements that failed to decode and were set aside.
+    """
+
+    name: str
+    container: str
+    spec: QueueSpec
+    size: int
+    closed: bool
+    enqueued_total: int
+    dequeued_total: int
+    pending_enqueues: int
+    pending_dequeues: int
+    held: int
+    pending_close: bool
+    dead_letters: int
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "spec"}
+        d.update(self.spec.describe())
+        return d
+
+
+async def queue_stats(
+    client: Client, name: str, container: str = keys.DEFAULT_CONTAINER
+) -> QueueStats:
+    """Read a queue's :class:`QueueStats` by name.
+
+    Raises:
+        NotFoundError: no such queue in ``container``.
+    """
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hgetall(prefix + "meta")
+        pipe.lrange(prefix + "ew", 0, -1)
+        pipe.lrange(prefix + "dw", 0, -1)
+        pipe.llen(prefix + "dlq")
+        meta, ew, dw, dlq = await pipe.execute()
+        if not meta:
+            raise NotFoundError(f"no queue '{name}' in container '{container}'")
+        spec = QueueSpec.from_json(meta[b"spec"])
+        shuffle = spec.kind == "shuffle"
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hget(prefix + "meta", "n") if shuffle else pipe.llen(prefix + "items")
+        for e in dw:
+            pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
+        stored, *holds = await pipe.execute()
+        held = sum(holds)
+    size = int(stored or 0)
+    return QueueStats(
+        name=name,
+        container=container,
+        spec=spec,
+        size=size,
+        closed=meta.get(b"closed") == b"1",
+        enqueued_total=int(meta.get(b"enq", 0)),
+        dequeued_total=int(meta.get(b"deq", 0)),
+        pending_enqueues=sum(1 for e in ew if e.startswith(b"e|")),
+        pending_dequeues=len(dw),
+        held=held,
+        pending_close=any(e.startswith(b"c|") for e in ew),
+        dead_letters=int(dlq),
+    )
+
+
+@dataclass(frozen=True)
+class StoredElement:
+    """A stored element's bytes as :func:`peek_blobs` read them.
+
+    Attributes:
+        blob: the element's encoded bytes (a large element's chunks joined), or the raw
+            reference when its chunks cannot be read.
+        chunks: how many chunks a large element was stored in (0: stored inline).
+        error: why a large element could not be assembled, else None.
+    """
+
+    blob: bytes
+    chunks: int = 0
+    error: str | None = None
+
+
+async def _assemble(client: Client, prefix: str, ref: bytes) -> StoredElement:
+    """Read a large element's chunks, leaving them in place, and join them."""
+    try:
+        _, bid, count, total = ref.decode("ascii").split("|")
+        nchunks, nbytes = int(count), int(total)
+    except ValueError:  # not a reference after all (UnicodeDecodeError included)
+        return StoredElement(ref)
+    with map_errors():
+        parts = await client.commands.mget([f"{prefix}b:{bid}:{k}" for k in range(nchunks)])
+    found = [as_bytes(p) for p in parts if p is not None]
+    if len(found) != nchunks:
+        return StoredElement(ref, nchunks, "a large element whose chunks are missing")
+    blob = b"".join(found)
+    if len(blob) != nbytes:
+        why = f"a large element of {len(blob)} bytes, {nbytes} expected"
+        return StoredElement(ref, nchunks, why)
+    return StoredElement(blob, nchunks)
+
+
+async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[StoredElement]:
+    """Up to ``k`` stored elements' bytes (large ones assembled), changing nothing.
+
+    FIFO and padding queues give the next ``k`` out; a shuffle queue gives ``k`` of its
+    elements (which one leaves next is drawn at dequeue time).
+
+    Raises:
+        NotFoundError: no such queue in ``container``.
+    """
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        kind = await client.commands.hget(prefix + "meta", "kind")
+        if kind is None:
+            raise NotFoundError(f"no queue '{name}' in container '{container}'")
+        if k <= 0:
+            return []
+        if kind == b"shuffle":
+            n = int(await client.commands.hget(prefix + "meta", "n") or 0)
+            fields = list(range(min(k, n)))
+            got = await client.commands.hmget(prefix + "items", fields) if fields else []
+            raw = [as_bytes(b) for b in got if b is not None]
+        else:
+            raw = [as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
+    return [
+        await _assemble(client, prefix, b) if b.startswith(REF) else StoredElement(b) for b in raw
+    ]
+
+
+async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
+    """Names of the queues registered in ``container``, sorted."""
+    with map_errors():
+        names = await client.commands.smembers(keys.container_queues(container))
+    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+
+async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:
+    """Delete every key of a queue (pending attempts included); returns keys deleted."""
+    prefix = keys.queue_prefix(container, name)
+    with map_errors():
+        found = [
+            k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)
+        ]
+        n = 0
+        for i in range(0, len(found), 500):
+            n += await client.commands.delete(*found[i : i + 500])
+        await client.commands.srem(keys.container_queues(container), name)
+    return int(n)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def as_bytes(x: bytes | str) -> bytes:
+    return x if isinstance(x, bytes) else x.encode()
