@@ -47,17 +47,22 @@ Arg = bytes | bytearray | memoryview | str | int | float
 ScriptArgs = Sequence[Arg]
 
 
+def translate(exc: RedisError | OSError) -> QpsError:
+    """The qps error for a redis-py (or socket) exception."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return UnavailableError(f"Redis is unreachable: {exc}")
+    return InternalError(f"unexpected Redis error: {exc}")
+
+
 @contextlib.contextmanager
 def map_errors() -> Any:
     """Translate redis-py exceptions raised inside the block into qps errors."""
     try:
         yield
-    except QpsError:
+    except QpsError:  # already ours (UnavailableError is an OSError too)
         raise
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise UnavailableError(f"Redis is unreachable: {exc}") from exc
-    except RedisError as exc:
-        raise InternalError(f"unexpected Redis error: {exc}") from exc
+    except (RedisError, OSError) as exc:
+        raise translate(exc) from exc
 
 
 def _lua_source(name: str) -> str:
@@ -147,13 +152,15 @@ class Client:
             UnavailableError: the server cannot be reached.
             InternalError: the script failed inside Redis.
         """
-        script = self._script(name)
-        with map_errors():
+        script = self._scripts.get(name) or self._script(name)
+        try:  # no context manager here: this is every queue operation's hot path
             try:
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:
                 await self.commands.script_load(script.source)
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
 
     async def wait_then_script(
         self,

@@ -120,3 +120,14 @@ async def test_held_large_elements_keep_their_chunks(client):
     await q.enqueue(np.zeros(n, np.float32))
     out = await task
     assert out.shape == (2, n) and out[0].all() and not out[1].any()
+
+
+async def test_unreachable_server_is_unavailable_error():
+    from qps.errors import UnavailableError
+
+    with pytest.raises(
+        UnavailableError, match=r"cannot reach Redis at redis://u:\*\*\*@127\.0\.0\.1:1"
+    ) as info:
+        await qps.connect("redis://u:secret@127.0.0.1:1/0")
+    assert "secret" not in str(info.value)
+    assert str(info.value).count("unreachable") <= 1

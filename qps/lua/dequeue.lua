@@ -9,8 +9,8 @@ if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
 reap()
 local hk = akey(ID, 'h')
 
-local function deliver(k)
-  local vals = take(k)
+local function deliver_vals(vals)
+  local k = #vals
   rpush_all(hk, vals)
   redis.call('PEXPIRE', hk, RECORD_MS)
   chunk_ttl(vals, CHUNK_TTL_MS)
@@ -19,7 +19,16 @@ local function deliver(k)
   return {'ok', vals}
 end
 
-if S.w == 0 or redis.call('LLEN', DW) == 0 then
+local function deliver(k)
+  return deliver_vals(take(k))
+end
+
+if (S.w == 0 or redis.call('LLEN', DW) == 0) and not (SHUFFLE or CLOSED or NOWAIT) then
+  -- An open list queue: pop what is there (usually all N) without counting first.
+  local vals = redis.call('LPOP', ITEMS, N) or {}
+  if #vals == N then return deliver_vals(vals) end
+  if #vals > 0 then rpush_all(hk, vals) end
+elseif S.w == 0 or redis.call('LLEN', DW) == 0 then
   local avail = takeable()
   if avail >= N then return deliver(N) end
   if CLOSED or NOWAIT then

@@ -365,7 +365,7 @@ class QueueBase:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
-        waiters = waiters_of(client)
+        waiters = None  # set up only when the attempt has to wait
         done = asyncio.Event()
         try:
             reply: list[Any] = await client.run_script(
@@ -389,6 +389,8 @@ class QueueBase:
                             )
                         break
                     block = min(BLOCK_SECONDS, remaining)
+                if waiters is None:
+                    waiters = waiters_of(client)
                 waiters.blocked[aid] = (self._skeys, entry, done)
                 reply = await client.wait_then_script(
                     wake,
@@ -404,8 +406,9 @@ class QueueBase:
             )
             raise
         finally:
-            waiters.blocked.pop(aid, None)
-            done.set()
+            if waiters is not None:
+                waiters.blocked.pop(aid, None)
+                done.set()
         status = reply[0]
         if status in (b"cancelled", b"aborted"):
             verb = "Dequeue" if what == "dequeue" else "Enqueue"
