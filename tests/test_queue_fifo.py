@@ -579,3 +579,22 @@ async def _lease_count_consistent(q):
     """The waiter count the fast paths trust equals the lease zset's size."""
     c = q._client.commands
     assert int(await c.hget(q._keys[0], "w") or 0) == await c.zcard(q._keys[4])
+
+
+async def test_close_wakes_every_blocked_caller(make_client):
+    a = await make_client()
+    b = await make_client()
+    qa = qps.FIFOQueue(1, I32, shapes=[[]], shared_name="wake-all", client=a)
+    qb = qps.FIFOQueue(1, I32, shapes=[[]], shared_name="wake-all", client=b)
+    waiters = [
+        asyncio.create_task(qa.dequeue()),
+        asyncio.create_task(qb.dequeue_many(2)),
+        asyncio.create_task(qa.dequeue_up_to(3)),
+        asyncio.create_task(qb.dequeue()),
+    ]
+    await until(lambda: _pending_deq(qa, 4))
+    await qb.close()
+    results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 10)
+    assert all(isinstance(r, OutOfRangeError) for r in results), results
+    s = await qa.stats()
+    assert (s.pending_dequeues, s.held, s.size) == (0, 0, 0)
