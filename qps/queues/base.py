@@ -49,7 +49,7 @@ from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
 from qps.queues.large import CHUNK_BYTES, REF, encode_element, fetch_large, nbytes, store_large
 from qps.queues.spec import QueueSpec, Shape, format_shape
 from qps.queues.waiters import LEASE_MS, default_client, waiters_of
-from qps.transport import BLOCK_SECONDS, Client
+from qps.transport import BLOCK_SECONDS, Client, map_errors
 
 log = logging.getLogger("qps.queue")
 
@@ -149,8 +149,6 @@ class QueueBase:
         if reply[0] == b"exists":
             existing = QueueSpec.from_json(reply[1])
             self._spec.check_same(existing, self._name)
-        from qps.transport import map_errors
-
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             pipe.sadd(keys.CONTAINERS, self._container)
@@ -694,16 +692,12 @@ class QueueBase:
     async def is_closed(self) -> bool:
         """Whether the close has taken effect."""
         client = await self._c()
-        from qps.transport import map_errors
-
         with map_errors():
             return await client.commands.hget(self._keys[0], "closed") == b"1"
 
     async def size(self) -> int:
         """The number of stored elements (not counting those held by pending dequeues)."""
         client = await self._c()
-        from qps.transport import map_errors
-
         with map_errors():
             if self._spec.kind == "shuffle":
                 return int(await client.commands.hget(self._keys[0], "n") or 0)

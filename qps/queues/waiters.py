@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 
-from qps.transport import BLOCK_SECONDS, Client
+from qps.transport import BLOCK_SECONDS, Client, connect
 
 log = logging.getLogger("qps.queue")
 
@@ -64,7 +64,5 @@ async def default_client() -> Client:
         _default_lock = asyncio.Lock()
     async with _default_lock:
         if _default_client is None or _default_client.closed:
-            from qps.transport import connect
-
             _default_client = await connect()
     return _default_client
