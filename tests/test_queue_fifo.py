@@ -598,3 +598,28 @@ async def test_close_wakes_every_blocked_caller(make_client):
     assert all(isinstance(r, OutOfRangeError) for r in results), results
     s = await qa.stats()
     assert (s.pending_dequeues, s.held, s.size) == (0, 0, 0)
+
+
+async def test_enqueue_into_a_queue_over_capacity_keeps_every_element(client):
+    # Elements given back by a dequeue can leave more than `capacity` stored; an enqueue
+    # then waits and must not push out anything already there.
+    q = fifo(client, 2)
+    await q.enqueue_many(np.array([1, 2], I32))
+    many = asyncio.create_task(q.dequeue_many(3))  # holds 1 and 2
+    await until(lambda: _held_n(q, 2))
+    await q.enqueue_many(np.array([3, 4], I32), timeout=5)  # room again: held ones don't count
+    many.cancel()  # gives 1, 2 back to the front: 4 stored in a capacity-2 queue
+    with pytest.raises(asyncio.CancelledError):
+        await many
+    assert await q.size() == 4
+    late = asyncio.create_task(q.enqueue(5))
+    await until(lambda: _pending_enq(q, 1))
+    assert await q.size() == 4
+    assert (await q.dequeue_many(4)).tolist() == [1, 2, 3, 4]
+    await late
+    assert int(await q.dequeue()) == 5
+
+
+async def _held_n(q, n):
+    s = await q.stats()
+    return s.pending_dequeues == 1 and s.held == n
