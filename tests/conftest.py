@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -30,12 +31,14 @@ def redis_url() -> Iterator[str]:
     if url:
         yield url
         return
-    server = EmbeddedServer(run_dir=tempfile.mkdtemp(prefix="qpst", dir="/tmp"))
+    run_dir = tempfile.mkdtemp(prefix="qpst", dir="/tmp")
+    server = EmbeddedServer(run_dir=run_dir)
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 ClientFactory = Callable[[], Awaitable[transport.Client]]
