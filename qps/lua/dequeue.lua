@@ -23,12 +23,13 @@ local function deliver(k)
   return deliver_vals(take(k))
 end
 
-if (S.w == 0 or redis.call('LLEN', DW) == 0) and not (SHUFFLE or CLOSED or NOWAIT) then
+local first = (S.w == 0 or redis.call('LLEN', DW) == 0)  -- no dequeue waits ahead
+if first and not (SHUFFLE or CLOSED or NOWAIT) then
   -- An open list queue: pop what is there (usually all N) without counting first.
   local vals = redis.call('LPOP', ITEMS, N) or {}
   if #vals == N then return deliver_vals(vals) end
   if #vals > 0 then rpush_all(hk, vals) end
-elseif S.w == 0 or redis.call('LLEN', DW) == 0 then
+elseif first then
   local avail = takeable()
   if avail >= N then return deliver(N) end
   if CLOSED or NOWAIT then

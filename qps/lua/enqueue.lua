@@ -13,8 +13,8 @@ end
 local vals = argv_from(2)
 local total = #vals
 local k = 0
-if (S.w == 0 or redis.call('LLEN', EW) == 0) and not (SHUFFLE or NOWAIT)
-    and CAP >= 0 and total <= BATCH then
+local first = (S.w == 0 or redis.call('LLEN', EW) == 0)  -- no enqueue waits ahead
+if first and not (SHUFFLE or NOWAIT) and CAP >= 0 and total <= BATCH then
   -- A bounded list queue: push first, then take back the part of our own tail that does
   -- not fit (it waits as pending below). Saves counting first in the common case. The
   -- list may already hold more than CAP (elements given back by a dequeue), so only our
@@ -24,7 +24,7 @@ if (S.w == 0 or redis.call('LLEN', EW) == 0) and not (SHUFFLE or NOWAIT)
   k = math.max(0, math.min(total, CAP - before))
   if k < total then redis.call('RPOP', ITEMS, total - k) end
   S.enq = S.enq + k
-elseif S.w == 0 or redis.call('LLEN', EW) == 0 then
+elseif first then
   k = total
   if CAP >= 0 then k = math.min(total, math.max(0, CAP - size())) end
   if NOWAIT and k < total then
