@@ -152,7 +152,7 @@ class Client:
             UnavailableError: the server cannot be reached.
             InternalError: the script failed inside Redis.
         """
-        script = self._scripts.get(name) or self._script(name)
+        script = self._script(name)
         try:  # no context manager here: this is every queue operation's hot path
             try:
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)

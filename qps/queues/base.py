@@ -46,7 +46,7 @@ from qps.errors import (
     WouldBlockError,
 )
 from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
-from qps.queues.large import CHUNK_BYTES, REF, encode_element, fetch_large, nbytes, store_large
+from qps.queues.large import REF, encode_element, fetch_large, store_large
 from qps.queues.spec import QueueSpec, Shape, format_shape
 from qps.queues.waiters import LEASE_MS, default_client, waiters_of
 from qps.transport import BLOCK_SECONDS, Client, map_errors
@@ -429,8 +429,7 @@ class QueueBase:
     ) -> None:
         client = await self._c()
         aid = client.new_id()
-        if any(isinstance(b, list) or nbytes(b) > CHUNK_BYTES for b in blobs):
-            blobs = await store_large(client, self._prefix, aid, blobs)
+        blobs = await store_large(client, self._prefix, aid, blobs)
         reply = await self._attempt(
             client,
             "enqueue",
@@ -568,9 +567,9 @@ class QueueBase:
             raise AbortedError(f"unexpected dequeue reply {status!r}")
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
-        blobs: list[Any] = [encode_element(e) for e in elements]
-        if any(isinstance(b, list) for b in blobs):
-            blobs = await store_large(client, self._prefix, client.new_id(), blobs)
+        blobs = await store_large(
+            client, self._prefix, client.new_id(), [encode_element(e) for e in elements]
+        )
         await client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs])
 
     def _check_many(self, n: int, op: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from qps import keys
 from qps.errors import NotFoundError
-from qps.queues.large import REF
+from qps.queues.large import REF, chunk_keys, parse_ref
 from qps.queues.spec import QueueSpec
 from qps.transport import Client, map_errors
 
@@ -109,13 +109,12 @@ class StoredElement:
 
 async def _assemble(client: Client, prefix: str, ref: bytes) -> StoredElement:
     """Read a large element's chunks, leaving them in place, and join them."""
-    try:
-        _, bid, count, total = ref.decode("ascii").split("|")
-        nchunks, nbytes = int(count), int(total)
-    except ValueError:  # not a reference after all (UnicodeDecodeError included)
+    parsed = parse_ref(ref)
+    if parsed is None:
         return StoredElement(ref)
+    bid, nchunks, nbytes = parsed
     with map_errors():
-        parts = await client.commands.mget([f"{prefix}b:{bid}:{k}" for k in range(nchunks)])
+        parts = await client.commands.mget(chunk_keys(prefix, bid, nchunks))
     found = [as_bytes(p) for p in parts if p is not None]
     if len(found) != nchunks:
         return StoredElement(ref, nchunks, "a large element whose chunks are missing")

@@ -26,9 +26,32 @@ CHUNK_TTL_MS = 600_000
 REF = b"QR|"
 
 
-async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any]) -> list[Any]:
+def parse_ref(ref: bytes) -> tuple[str, int, int] | None:
+    """``(bid, nchunks, total bytes)`` of a reference, or None if ``ref`` is not one."""
+    try:
+        tag, bid, count, total = ref.decode("ascii").split("|")
+        if tag != "QR":
+            return None
+        return bid, int(count), int(total)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+
+
+def chunk_keys(prefix: str, bid: str, nchunks: int) -> list[str]:
+    """The keys holding the chunks of element ``bid`` (same spelling as the Lua)."""
+    return [f"{prefix}b:{bid}:{k}" for k in range(nchunks)]
+
+
+def is_large(blob: Any) -> bool:
+    """Whether an encoded element must travel out of line."""
+    return isinstance(blob, list) or nbytes(blob) > CHUNK_BYTES
+
+
+async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any]) -> Sequence[Any]:
     """Write elements over CHUNK_BYTES as chunk keys; return the blobs with those
-    elements replaced by references."""
+    elements replaced by references (``blobs`` itself when none is large)."""
+    if not any(is_large(b) for b in blobs):
+        return blobs
     out: list[Any] = []
     with map_errors():
         pipe = client.commands.pipeline(transaction=False)
@@ -40,8 +63,8 @@ async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any
                 continue
             bid = f"{aid}.{i}"
             chunks = chunks_of(parts, CHUNK_BYTES)
-            for k, chunk in enumerate(chunks):
-                pipe.set(f"{prefix}b:{bid}:{k}", chunk, px=CHUNK_TTL_MS)
+            for key, chunk in zip(chunk_keys(prefix, bid, len(chunks)), chunks):
+                pipe.set(key, chunk, px=CHUNK_TTL_MS)
             out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
         if len(pipe):
             await pipe.execute()
@@ -54,8 +77,8 @@ async def fetch_large(client: Client, prefix: str, skeys: list[str], blobs: list
     The chunks are deleted only once every element is assembled: a caller cancelled
     before that puts the references back at the front, chunks intact.
     """
-    refs = [(i, b.decode().split("|")) for i, b in enumerate(blobs) if b.startswith(REF)]
-    names = [[f"{prefix}b:{r[1]}:{k}" for k in range(int(r[2]))] for _, r in refs]
+    refs = [(i, r) for i, b in enumerate(blobs) if b.startswith(REF) and (r := parse_ref(b))]
+    names = [chunk_keys(prefix, bid, nchunks) for _, (bid, nchunks, _) in refs]
     try:
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
@@ -68,12 +91,12 @@ async def fetch_large(client: Client, prefix: str, skeys: list[str], blobs: list
         raise
     out = list(blobs)
     pos = 0
-    for (i, r), ks in zip(refs, names):
+    for (i, (_, _, total)), ks in zip(refs, names):
         parts = chunks[pos : pos + len(ks)]
         pos += len(ks)
         if any(c is None for c in parts):
             continue  # left as a reference: reported as missing by _split_bad
-        buf = bytearray(int(r[3]))
+        buf = bytearray(total)
         view = memoryview(buf)
         at = 0
         for c in parts:
