@@ -717,3 +717,21 @@ def bench_main(rows_fn: Callable[[bool], list[Row]], description: str) -> None:
         print(summary)
     if any(m.errors for m in measured):
         sys.exit(1)
+
+
+def script_main(
+    doc: str,
+    participant: Callable[[argparse.Namespace, Barrier], Awaitable[dict[str, Any]]],
+    rows_fn: Callable[[bool], list[Row]],
+    title: str,
+    **defaults: int,
+) -> None:
+    """Entry point of a workload script: with ``--role`` it is one participant (its extra
+    integer options and their defaults given as keywords), else the benchmark itself."""
+    if "--role" in sys.argv:
+        p = participant_parser(doc)
+        for name, value in defaults.items():
+            p.add_argument(f"--{name}", type=int, default=value)
+        participant_main(p, participant)
+    else:
+        bench_main(rows_fn, title)

@@ -197,15 +197,14 @@ def rows(quick: bool) -> list[harness.Row]:
 
 
 def main() -> None:
-    import sys
-
-    if "--role" in sys.argv:
-        p = harness.participant_parser(__doc__ or "")
-        p.add_argument("--n", type=int, default=ELEMENTS)
-        p.add_argument("--batch", type=int, default=1)
-        harness.participant_main(p, participant)
-    else:
-        harness.bench_main(rows, "W1 queue-small: qps against raw redis-py")
+    harness.script_main(
+        __doc__ or "",
+        participant,
+        rows,
+        "W1 queue-small: qps against raw redis-py",
+        n=ELEMENTS,
+        batch=1,
+    )
 
 
 if __name__ == "__main__":

@@ -193,14 +193,13 @@ def rows(quick: bool) -> list[harness.Row]:
 
 
 def main() -> None:
-    import sys
-
-    if "--role" in sys.argv:
-        p = harness.participant_parser(__doc__ or "")
-        p.add_argument("--count", type=int, default=BATCHES)
-        harness.participant_main(p, participant)
-    else:
-        harness.bench_main(rows, "W2 queue-batch: qps against raw redis-py")
+    harness.script_main(
+        __doc__ or "",
+        participant,
+        rows,
+        "W2 queue-batch: qps against raw redis-py",
+        count=BATCHES,
+    )
 
 
 if __name__ == "__main__":

@@ -94,14 +94,9 @@ def rows(quick: bool) -> list[harness.Row]:
 
 
 def main() -> None:
-    import sys
-
-    if "--role" in sys.argv:
-        p = harness.participant_parser(__doc__ or "")
-        p.add_argument("--count", type=int, default=ROUNDS)
-        harness.participant_main(p, participant)
-    else:
-        harness.bench_main(rows, "W3 bulk: qps against raw redis-py")
+    harness.script_main(
+        __doc__ or "", participant, rows, "W3 bulk: qps against raw redis-py", count=ROUNDS
+    )
 
 
 if __name__ == "__main__":

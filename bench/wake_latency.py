@@ -131,14 +131,13 @@ def rows(quick: bool) -> list[harness.Row]:
 
 
 def main() -> None:
-    import sys
-
-    if "--role" in sys.argv:
-        p = harness.participant_parser(__doc__ or "")
-        p.add_argument("--count", type=int, default=SAMPLES)
-        harness.participant_main(p, participant)
-    else:
-        harness.bench_main(rows, "wake latency: qps dequeue against raw BLPOP")
+    harness.script_main(
+        __doc__ or "",
+        participant,
+        rows,
+        "wake latency: qps dequeue against raw BLPOP",
+        count=SAMPLES,
+    )
 
 
 if __name__ == "__main__":
