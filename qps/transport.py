@@ -356,11 +356,14 @@ class Client:
         name: str,
         keys: Sequence[str],
         args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
     ) -> Any:
         """Block up to ``block_seconds`` on ``wake_key``, then run script ``name``.
 
         On a real server both go in one pipeline: the server holds the script back until
-        the BLPOP returns, so a wake-up costs one round trip.
+        the BLPOP returns, so a wake-up costs one round trip. ``after``: plain commands
+        run after the script, in the same round trip; with them, returns the script's
+        reply and theirs.
 
         Raises:
             UnavailableError: the server cannot be reached.
@@ -370,7 +373,8 @@ class Client:
         if self._endpoint is not None:
             conn = await self._waiter_connection()
             if conn is not None:
-                return await self._wait_lean(conn, wake_key, block, name, keys, args)
+                got = await self._wait_lean(conn, None, wake_key, block, name, keys, args, after)
+                return got[1:] if after else got[1]
         if not self.pipelined_blocking:
             # fakeredis wedges a connection whose blocked command is cancelled; let a
             # cancelled wait run out its (short) block in the background instead.
@@ -378,7 +382,8 @@ class Client:
             wait.add_done_callback(lambda f: f.cancelled() or f.exception())
             with map_errors():
                 await asyncio.shield(wait)
-            return await self.run_script(name, keys, args)
+            reply = await self.run_script(name, keys, args)
+            return (reply, await self.run_commands(after)) if after else reply
         script = self._script(name)
         with map_errors():
             pipe = self.blocking.pipeline(transaction=False)
@@ -387,33 +392,115 @@ class Client:
             replies = await pipe.execute(raise_on_error=False)
         reply = replies[1]
         if isinstance(reply, NoScriptError):
-            return await self.run_script(name, keys, args)
-        if isinstance(reply, Exception):
+            reply = await self.run_script(name, keys, args)
+        elif isinstance(reply, Exception):
             with map_errors():
                 raise reply
-        return reply
+        return (reply, await self.run_commands(after)) if after else reply
+
+    async def run_script_then_commands(
+        self,
+        name: str,
+        keys: Sequence[str],
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]],
+    ) -> tuple[Any, list[Any]]:
+        """Run script ``name`` and then plain commands, in one round trip; return the
+        script's reply and the commands' (an error reply in its place, not raised).
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+            InternalError: the script failed inside Redis.
+        """
+        script = self._script(name)
+        command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
+        if self._endpoint is not None:
+            conn = self._lean
+            if conn is None or conn._failure is not None:
+                conn = await self._open_lean()
+            if conn is not None:
+                try:
+                    reply, *replies = await conn.call_many([command, *after])
+                except TypeError as exc:
+                    raise InternalError(f"unexpected Redis error: {exc}") from exc
+                if isinstance(reply, resp.ReplyError):
+                    if reply.code != "NOSCRIPT":
+                        raise translate(reply) from reply
+                    reply = await self._load_then_run(conn, script, command)
+                    replies = await conn.call_many(after)
+                return reply, replies
+        reply = await self.run_script(name, keys, args)
+        with map_errors():
+            pipe = self.commands.pipeline(transaction=False)
+            for c in after:
+                pipe.execute_command(*c)
+            replies = await pipe.execute(raise_on_error=False)
+        return reply, replies
+
+    async def script_then_wait(
+        self,
+        first: str,
+        keys: Sequence[str],
+        first_args: ScriptArgs,
+        wake_key: str,
+        block_seconds: float,
+        name: str,
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
+    ) -> tuple[Any, Any, list[Any]] | None:
+        """Run script ``first``, then :meth:`wait_then_script`, in one round trip on a
+        waiter connection: for an attempt that will probably have to wait, this saves
+        the round trip between registering it and blocking. ``first`` must wake
+        ``wake_key`` itself whenever it does not leave the attempt waiting, or the BLPOP
+        blocks for nothing.
+
+        Returns ``first``'s reply, the other script's (None when ``first`` had to be
+        loaded and run again: the wait then served nothing) and the replies of the plain
+        commands ``after`` (run last, in the same round trip), or None when no waiter
+        connection can be had (fakeredis; a closed client): the caller runs the steps
+        itself.
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+            InternalError: a script failed inside Redis.
+        """
+        if self._endpoint is None:
+            return None
+        conn = await self._waiter_connection()
+        if conn is None:
+            return None
+        block = max(0.001, round(block_seconds, 3))
+        return await self._wait_lean(
+            conn, (first, first_args), wake_key, block, name, keys, args, after
+        )
 
     async def _wait_lean(
         self,
         conn: resp.Connection,
+        first: tuple[str, ScriptArgs] | None,
         wake_key: str,
         block: float,
         name: str,
         keys: Sequence[str],
         args: ScriptArgs,
-    ) -> Any:
-        """:meth:`wait_then_script` on a waiter connection of its own, given back after
-        a complete exchange; one left in the middle of it (cancelled) is closed."""
+        after: Sequence[Sequence[Any]],
+    ) -> tuple[Any, Any, list[Any]]:
+        """[script ``first``,] BLPOP, script ``name``, ``after`` commands in one round
+        trip on a waiter connection of its own, given back after a complete exchange;
+        one left in the middle of it (cancelled) is closed. Returns the replies of
+        ``first`` (None without it), of ``name`` and of ``after``."""
         script = self._script(name)
+        commands: list[Sequence[Any]] = []
+        if first is not None:
+            lead = self._script(first[0])
+            commands.append((b"EVALSHA", lead.sha, len(keys), *keys, *first[1]))
+        commands.append((b"BLPOP", wake_key, block))
+        commands.append((b"EVALSHA", script.sha, len(keys), *keys, *args))
+        commands.extend(after)
         self._busy.add(conn)
         reusable = False
         try:
-            replies = await conn.call_many(
-                (
-                    (b"BLPOP", wake_key, block),
-                    (b"EVALSHA", script.sha, len(keys), *keys, *args),
-                )
-            )
+            replies = await conn.call_many(commands)
             reusable = True
         except TypeError as exc:
             raise InternalError(f"unexpected Redis error: {exc}") from exc
@@ -423,12 +510,20 @@ class Client:
                 self._idle.append(conn)
             else:
                 conn.close()
-        reply = replies[1]
+        lead_reply = None
+        if first is not None:
+            lead_reply = replies.pop(0)
+            if isinstance(lead_reply, resp.ReplyError):
+                if lead_reply.code == "NOSCRIPT":  # nothing ran: run it now (idle wait)
+                    return await self.run_script(first[0], keys, first[1]), None, []
+                raise translate(lead_reply) from lead_reply
+        reply, rest = replies[1], replies[2:]
         if isinstance(reply, resp.ReplyError):
-            if reply.code == "NOSCRIPT":
-                return await self.run_script(name, keys, args)
-            raise translate(reply) from reply
-        return reply
+            if reply.code != "NOSCRIPT":
+                raise translate(reply) from reply
+            reply = await self.run_script(name, keys, args)
+            rest = await self.run_commands(after) if after else []
+        return lead_reply, reply, rest
 
     # -- lifecycle ------------------------------------------------------------
     def on_close(self, callback: Any) -> None:

@@ -1,33 +1,83 @@
 -- The dequeue fast path (see enqueue_fast.lua): an open list queue with no attempt
--- pending (w == 0) that holds at least n elements. It does what the full script does
--- in that case: pop n, keep them as the delivery record a:<id>:h, count them, and give
--- out-of-line chunks of delivered large elements their TTL.
+-- pending (w == 0) that holds at least n elements, either as plain entries (x == 0: one
+-- element per entry) or as a batch entry 'QB|...' at the head with at least n rows. It
+-- does what the full script does in that case: take n, keep them as the delivery record
+-- a:<id>:h, count them, and give out-of-line chunks of delivered large elements their TTL.
 do
   local P = string.sub(KEYS[1], 1, -5)
-  -- A: lease, id, n, mode, nowait, previous delivery record, acked (only 0 here)
-  local id, n, prev = string.match(ARGV[1], '^%S+ (%S+) (%d+) %a+ [01] (%S+) 0$')
+  -- A: lease, id, n, mode, nowait, previous delivery record, acked (only 0 here), and
+  -- wake (optional: 1 if the caller's wait follows in its pipeline; see dequeue.lua)
+  local id, n, prev, wake = string.match(ARGV[1], '^%S+ (%S+) (%d+) %a+ [01] (%S+) 0 ?([01]?)$')
+  local function woken(reply)
+    if wake == '1' then
+      redis.call('RPUSH', P .. 'a:' .. id .. ':w', 1)
+      redis.call('PEXPIRE', P .. 'a:' .. id .. ':w', 60000)  -- RECORD_MS
+    end
+    return reply
+  end
   n = tonumber(n)
-  if prev and prev ~= '-' then redis.call('DEL', P .. 'a:' .. prev .. ':h') end
-  local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w')
+  if prev and prev ~= '-' then  -- drop_record (queue_common.lua)
+    local bk = P .. 'b:' .. prev
+    redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
+  end
+  local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
+  local items = P .. 'items'
   if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and M[3] == '0'
-      and n >= 1 and n <= 500 and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0
-      and redis.call('LLEN', P .. 'items') >= n then
-    local vals = redis.call('LPOP', P .. 'items', n)
+      and n >= 1 and n <= 500 and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
-    redis.call('RPUSH', hk, unpack(vals))
-    redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
-    for _, v in ipairs(vals) do
-      local b1, b2, b3 = string.byte(v, 1, 3)
-      if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|': a large element's reference
-        local bid, c = string.match(string.sub(v, 1, 64), '^QR|([^|]+)|(%d+)|')
-        if bid then
-          for k = 0, tonumber(c) - 1 do
-            redis.call('PEXPIRE', P .. 'b:' .. bid .. ':' .. k, 600000)  -- CHUNK_TTL_MS
+    local x = tonumber(M[4]) or 0
+    if x == 0 and redis.call('LLEN', items) >= n then
+      local vals = redis.call('LPOP', items, n)
+      redis.call('RPUSH', hk, unpack(vals))
+      redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
+      for _, v in ipairs(vals) do
+        local b1, b2, b3 = string.byte(v, 1, 3)
+        if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|': a large element's reference
+          local bid, c = string.match(string.sub(v, 1, 64), '^QR|([^|]+)|(%d+)|')
+          if bid then
+            for k = 0, tonumber(c) - 1 do
+              redis.call('PEXPIRE', P .. 'b:' .. bid .. ':' .. k, 600000)  -- CHUNK_TTL_MS
+            end
           end
         end
       end
+      redis.call('HINCRBY', KEYS[1], 'deq', n)
+      return woken({'ok', vals})
+    elseif x > 0 then
+      local head = redis.call('LINDEX', items, 0)
+      local bid, first, rows, size
+      if head then
+        bid, first, rows, size = string.match(head, '^QB|([^|]+)|(%d+)|(%d+)|(%d+)$')
+      end
+      rows = tonumber(rows)
+      if bid and rows >= n then
+        local v, dx = head, 1 - n
+        if rows == n then
+          redis.call('LPOP', items)
+          -- hand_over (queue_common.lua): the last unread rows take their buffer along
+          local bk = P .. 'b:' .. bid
+          if bid ~= id and tonumber(redis.call('GET', bk .. ':u') or '') == n
+              and redis.call('EXISTS', bk) == 1 then
+            local nk = P .. 'b:' .. id
+            redis.call('RENAME', bk, nk)
+            redis.call('RENAME', bk .. ':u', nk .. ':u')
+            redis.call('PEXPIRE', nk, 60000)  -- RECORD_MS
+            redis.call('PEXPIRE', nk .. ':u', 60000)
+            v = string.format('QB|%s|%s|%d|%s', id, first, n, size)
+          end
+        else
+          dx = -n
+          first = tonumber(first)
+          v = string.format('QB|%s|%d|%d|%s', bid, first, n, size)
+          redis.call('LSET', items, 0,
+            string.format('QB|%s|%d|%d|%s', bid, first + n, rows - n, size))
+        end
+        redis.call('RPUSH', hk, v)
+        redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
+        redis.call('HINCRBY', KEYS[1], 'x', dx)
+        redis.call('HINCRBY', KEYS[1], 'deq', n)
+        return woken({'ok', {v}})
+      end
     end
-    redis.call('HINCRBY', KEYS[1], 'deq', n)
-    return {'ok', vals}
   end
 end

@@ -1,5 +1,6 @@
--- enqueue: A 2 id, 3 nowait (0/1); ARGV[2..] encoded elements.
--- Inserts what fits now (a prefix); the rest waits in a:<id>:p behind earlier attempts.
+-- enqueue: A 2 id, 3 nowait (0/1); ARGV[2..] encoded elements (or batch entries 'QB|...',
+-- each standing for its rows). Inserts what fits now (a prefix, a batch entry split if
+-- need be); the rest waits in a:<id>:p behind earlier attempts.
 -- Returns {'ok'}, {'wait'}, {'closed'}, {'wouldblock'}, {'aborted'} or {'gone'}.
 local ID, NOWAIT = A[2], (A[3] == '1')
 local E = 'e|' .. ID
@@ -15,10 +16,10 @@ if CLOSED then
   flush()
   return {'closed'}
 end
-local total = #vals
+local total = LIST and nelems(vals) or #vals
 local k = 0
 local first = (S.w == 0 or redis.call('LLEN', EW) == 0)  -- no enqueue waits ahead
-if first and LIST and not NOWAIT and CAP >= 0 and total <= 8 then
+if first and LIST and not NOWAIT and CAP >= 0 and total <= 8 and total == #vals then
   -- A bounded list queue and a few values: push first, then take back the part of our
   -- own tail that does not fit (it waits as pending below). Saves counting first in the
   -- common case. The list may already hold more than CAP (elements given back by a
@@ -39,9 +40,7 @@ elseif first then
   end
   if k > 0 then
     if k < total then
-      local head = {}
-      for i = 1, k do head[i] = vals[i] end
-      push_back(head)
+      push_back((split_elems(vals, k)))
     else
       push_back(vals)
     end
@@ -56,8 +55,7 @@ if k == total then
   flush()
   return {'ok'}
 end
-local rest = {}
-for i = k + 1, total do rest[#rest + 1] = vals[i] end
+local _, rest = split_elems(vals, k)
 rpush_all(akey(ID, 'p'), rest)
 chunk_ttl(rest, nil)
 redis.call('RPUSH', EW, E)

@@ -28,7 +28,7 @@ local RECORD_MS = 60000
 local BATCH = 500
 
 local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w', 'n', 'enq', 'deq', 'rng',
-  'seq')
+  'seq', 'x')
 local KIND = M[1]
 local CAP = tonumber(M[2]) or -1
 local MINAFTER = tonumber(M[3]) or 0
@@ -44,8 +44,10 @@ local OFF = PRIO and 24 or 0
 local PLACEHOLDER = string.rep('-', 16)
 -- The meta fields a script changes are kept here and written back once, by commit(),
 -- which the wrapper around every script body calls before returning:
---   n: stored elements of a shuffle queue (a list queue's size is LLEN items, which
---      stays right even when another client writes to the list directly);
+--   n: stored elements of a shuffle queue;
+--   x: a list queue's elements beyond one per entry of items: its size is LLEN items +
+--      x (a batch entry 'QB|...' of c rows adds c - 1), which stays right even when
+--      another client writes plain values to the list directly;
 --   enq/deq: totals inserted/delivered; rng: shuffle generator state;
 --   seq: the last sequence number a priority queue stamped;
 --   w: entries in the lease zset (only lease_add/lease_del change its membership). Every
@@ -53,7 +55,7 @@ local PLACEHOLDER = string.rep('-', 16)
 --      skip reaping and flushing without a call.
 local S = {closed = CLOSED and 1 or 0, w = tonumber(M[5]) or 0, n = tonumber(M[6]) or 0,
            enq = tonumber(M[7]) or 0, deq = tonumber(M[8]) or 0, rng = tonumber(M[9]) or 1,
-           seq = tonumber(M[10]) or 0}
+           seq = tonumber(M[10]) or 0, x = tonumber(M[11]) or 0}
 local S0 = {}
 for k, v in pairs(S) do S0[k] = v end
 
@@ -109,22 +111,118 @@ end
 -- expire; chunks of delivered elements expire unless their consumer deletes them first
 -- (it does, at once), so a consumer dying in between leaks nothing.
 --
--- The rows of a large enqueue_many batch share one buffer b:<bid>, and the queue holds a
+-- The rows of a large enqueue_many batch share one buffer b:<bid>. A list queue (FIFO,
+-- padding) holds one entry for a run of consecutive rows, 'QB|<bid>|<first row>|<rows>|
+-- <row bytes>' (it stands for <rows> elements: see x above, ecount and pop_elems, which
+-- splits an entry when only some of its rows leave); a shuffle or priority queue holds a
 -- reference 'QS|<bid>|<row>|<row bytes>' per row. b:<bid>:u counts the rows no consumer
 -- has read yet: consumers read their rows with GETRANGE and then run the release script,
 -- which deletes the buffer when the count reaches 0. Rows dropped before they were
 -- stored (closed queue, cancelled enqueue) are released here (qs_drop). The producer
 -- writes both keys with a TTL; storing a row persists them.
 local CHUNK_TTL_MS = 600000
-local Q, R, SB = string.byte('QRS', 1, 3)
+local Q, R, SB, BB = string.byte('QRSB', 1, 4)
+local BAR = 124  -- '|'
 local sbyte, sfind = string.byte, string.find
+
+-- Whether v is a batch entry 'QB|...' (never behind a priority key: lists only).
+local function is_qb(v)
+  local b1, b2, b3 = sbyte(v, 1, 3)
+  return b1 == Q and b2 == BB and b3 == BAR
+end
+
+local function qb_parse(v)
+  local bid, first, rows, size = string.match(v, '^QB|([^|]+)|(%d+)|(%d+)|(%d+)$')
+  if not bid then return nil end
+  return bid, tonumber(first), tonumber(rows), size
+end
+
+-- The number of elements entry v stands for.
+local function ecount(v)
+  if is_qb(v) then
+    local _, _, rows = qb_parse(v)
+    if rows then return rows end
+  end
+  return 1
+end
+
+-- The number of elements a list of entries stands for.
+local function nelems(vals)
+  local n = #vals
+  for _, v in ipairs(vals) do
+    if is_qb(v) then n = n + ecount(v) - 1 end
+  end
+  return n
+end
+
+-- A batch entry cut after its first k rows: the entries for those rows and for the rest.
+local function qb_split(v, k)
+  local bid, first, rows, size = qb_parse(v)
+  return string.format('QB|%s|%d|%d|%s', bid, first, k, size),
+         string.format('QB|%s|%d|%d|%s', bid, first + k, rows - k, size)
+end
+
+-- vals cut after their first k elements (a batch entry split if it straddles the cut).
+local function split_elems(vals, k)
+  local head, rest, have = {}, {}, 0
+  for i, v in ipairs(vals) do
+    if have >= k then
+      rest[#rest + 1] = v
+    else
+      local c = ecount(v)
+      if have + c <= k then
+        head[#head + 1] = v
+      else
+        local a, b = qb_split(v, k - have)
+        head[#head + 1] = a
+        rest[#rest + 1] = b
+      end
+      have = have + c
+    end
+  end
+  return head, rest
+end
+
+-- Remove entries standing for k elements (or all there are, if fewer) from the front
+-- of list key, splitting a batch entry that straddles the cut. Returns the entries, the
+-- elements they stand for and the change in the list's x (elements beyond one per entry).
+local function pop_elems(key, k)
+  if k <= 0 then return {}, 0, 0 end
+  local got = redis.call('LRANGE', key, 0, k - 1)
+  local out, have, dx = {}, 0, 0
+  for i, v in ipairs(got) do
+    local c = ecount(v)
+    if have + c > k then
+      local a, b = qb_split(v, k - have)
+      redis.call('LPOP', key, i)
+      redis.call('LPUSH', key, b)
+      out[#out + 1] = a
+      return out, k, dx - (k - have)
+    end
+    out[#out + 1] = v
+    have = have + c
+    dx = dx - (c - 1)
+    if have == k then break end
+  end
+  if #out > 0 then redis.call('LPOP', key, #out) end
+  return out, have, dx
+end
 
 -- The batch ids of the 'QS|' references among vals, each once, in order, with their
 -- counts. A run of rows of one batch costs a plain find per row, no new string.
 local function qs_bids(vals)
   local order, counts, last, lastbid = {}, {}, nil, nil
   for _, v in ipairs(vals) do
-    if sbyte(v, OFF + 1) == Q and sbyte(v, OFF + 2) == SB then
+    if LIST and is_qb(v) then
+      local bid, _, rows = qb_parse(v)
+      if bid then
+        if not counts[bid] then
+          order[#order + 1] = bid
+          counts[bid] = 0
+        end
+        counts[bid] = counts[bid] + rows
+      end
+    elseif sbyte(v, OFF + 1) == Q and sbyte(v, OFF + 2) == SB then
       if not (last and sfind(v, last, OFF + 1, true) == OFF + 1) then
         lastbid = string.match(string.sub(v, OFF + 1, OFF + 64), '^QS|([^|]+)|')
         last = lastbid and ('QS|' .. lastbid .. '|')
@@ -152,7 +250,7 @@ local function chunk_ttl(vals, ms)
             if ms then redis.call('PEXPIRE', key, ms) else redis.call('PERSIST', key) end
           end
         end
-      elseif tag == SB then
+      elseif tag == SB or tag == BB then
         batches = true
       end
     end
@@ -176,10 +274,41 @@ local function qs_drop(vals)
   end
 end
 
+-- A delivery (not acknowledged) of exactly one batch entry holding the last unread rows
+-- of its buffer takes the buffer: it is renamed b:<id> (and its count b:<id>:u), id the
+-- dequeue's, so that the caller reads it in the same round trip as the reply (it
+-- pipelines GET b:<id> after the script). It then expires with the delivery record
+-- (RECORD_MS), unless the caller's next dequeue drops it first (drop_record) or the
+-- delivery is undone: putting the entry back persists the buffer under its new name.
+-- Returns vals, or the entry renamed.
+local function hand_over(id, vals)
+  if not LIST or #vals ~= 1 or not is_qb(vals[1]) then return vals end
+  local bid, first, rows, size = qb_parse(vals[1])
+  if not bid or bid == id then return vals end
+  local bk = P .. 'b:' .. bid
+  if tonumber(redis.call('GET', bk .. ':u') or '') ~= rows
+      or redis.call('EXISTS', bk) == 0 then
+    return vals
+  end
+  local nk = P .. 'b:' .. id
+  redis.call('RENAME', bk, nk)
+  redis.call('RENAME', bk .. ':u', nk .. ':u')
+  redis.call('PEXPIRE', nk, RECORD_MS)
+  redis.call('PEXPIRE', nk .. ':u', RECORD_MS)
+  return {string.format('QB|%s|%d|%d|%s', id, first, rows, size)}
+end
+
+-- The caller of dequeue id is done with its delivery: drop the record and a buffer it
+-- took (hand_over).
+local function drop_record(id)
+  local bk = P .. 'b:' .. id
+  redis.call('DEL', akey(id, 'h'), bk, bk .. ':u')
+end
+
 local function size()
   if SHUFFLE then return S.n end
   if PRIO then return redis.call('ZCARD', ITEMS) end
-  return redis.call('LLEN', ITEMS)
+  return redis.call('LLEN', ITEMS) + S.x
 end
 
 -- How many elements a dequeue may remove now: a shuffle queue keeps min_after_dequeue
@@ -212,6 +341,7 @@ local function push_back(vals, kept)
     end
   else
     rpush_all(ITEMS, vals)
+    S.x = S.x + nelems(vals) - #vals
   end
 end
 
@@ -226,16 +356,21 @@ local function push_front(vals)
   for i = 1, #rev, BATCH do
     redis.call('LPUSH', ITEMS, unpack(rev, i, math.min(i + BATCH - 1, #rev)))
   end
+  S.x = S.x + nelems(vals) - #vals
 end
 
--- Remove k elements: the head of the list, the k lowest members of a priority queue's
--- sorted set, or k uniform picks from the shuffle hash
+-- Remove k elements (k <= size()): the entries at the head of the list standing for k
+-- elements, the k lowest members of a priority queue's sorted set, or k uniform picks
+-- from the shuffle hash
 -- (each pick moves the last slot into the gap: O(1) per element). The generator is
 -- Park-Miller (multiplier 48271, modulus 2^31-1): exact in Lua's doubles, seeded per queue.
 local function take(k)
   if k <= 0 then return {} end
   if LIST then
-    return redis.call('LPOP', ITEMS, k)
+    if S.x == 0 then return redis.call('LPOP', ITEMS, k) end
+    local out, _, dx = pop_elems(ITEMS, k)
+    S.x = S.x + dx
+    return out
   end
   if PRIO then
     local got = redis.call('ZPOPMIN', ITEMS, k)
@@ -320,6 +455,12 @@ local function cancel_enqueues(status)
   redis.call('DEL', EW)
 end
 
+-- The elements a dequeue attempt holds so far.
+local function held_count(hk)
+  if redis.call('LLEN', hk) == 0 then return 0 end
+  return nelems(redis.call('LRANGE', hk, 0, -1))
+end
+
 -- Serve pending attempts in arrival order until nothing moves: enqueues at the head of
 -- ew insert what fits, a close at the head closes the queue, the dequeue at the head of
 -- dw takes what it may (head-of-line blocking, as in TensorFlow's attempt lists).
@@ -344,10 +485,10 @@ local function flush()
       local space = BATCH
       if CAP >= 0 then space = math.min(BATCH, CAP - size()) end
       if space <= 0 then break end
-      local vals = redis.call('LPOP', pk, space)
-      if vals then
+      local vals, have = pop_elems(pk, space)
+      if have > 0 then
         push_back(vals, true)
-        S.enq = S.enq + #vals
+        S.enq = S.enq + have
         progress = true
       end
       if redis.call('LLEN', pk) > 0 then break end
@@ -360,7 +501,7 @@ local function flush()
       if not e then break end
       local _, id, n, mode = parse(e)
       local hk = akey(id, 'h')
-      local held = redis.call('LLEN', hk)
+      local held = held_count(hk)
       local k = math.min(n - held, takeable())
       if k > 0 then
         rpush_all(hk, take(k))
@@ -369,6 +510,11 @@ local function flush()
       end
       if held >= n then
         redis.call('LPOP', DW)
+        if LIST and not acked_entry(e) and redis.call('LLEN', hk) == 1 then
+          local vals = redis.call('LRANGE', hk, 0, -1)
+          local given = hand_over(id, vals)
+          if given[1] ~= vals[1] then redis.call('LSET', hk, 0, given[1]) end
+        end
         finish_deq(e, id, 'ok', held)
         progress = true
       elseif CLOSED then
@@ -398,7 +544,7 @@ local function undo_dequeue(e, id)
   redis.call('DEL', hk)
   push_front(vals)
   if not pending and #vals > 0 then
-    S.deq = S.deq - #vals
+    S.deq = S.deq - nelems(vals)
   end
 end
 

@@ -2,6 +2,6 @@
 if not KIND then return {'gone'} end
 local vals = argv_from(2)
 push_front(vals)
-S.deq = S.deq - #vals
+S.deq = S.deq - nelems(vals)
 flush()
 return {'ok'}

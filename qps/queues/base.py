@@ -50,14 +50,18 @@ from qps.errors import (
 )
 from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
 from qps.queues.large import (
+    BATCH_ENTRY,
     BATCH_MIN_BYTES,
     BATCH_REF,
     CHUNK_BYTES,
     REF,
+    Run,
     batch_commands,
     batch_runs,
     encode_element,
     fetch_large,
+    handed_rows,
+    inline_rows,
     is_ref,
     place_rows,
     read_batch_rows,
@@ -177,6 +181,8 @@ class QueueBase:
         self._skeys = self._keys[:1]  # scripts get the meta key and derive the others
         self._opened = False
         self._forget = ""  # id of our last delivery record, dropped with the next call
+        self._waited = False  # whether our last dequeue attempt had to wait
+        self._saw_entries = False  # whether a batch entry was ever delivered to us
         # the fixed-shape batch fast path needs one element length: strings vary in width
         self._fixed = spec.fully_defined and not any(is_string(d) for d in spec.dtypes)
 
@@ -409,7 +415,7 @@ class QueueBase:
             if b[:3] == REF:
                 bad.append((bytes(b), "the chunks of a large element are missing"))
                 continue
-            if b[:3] == BATCH_REF:
+            if b[:3] == BATCH_REF or b[:3] == BATCH_ENTRY:
                 bad.append((bytes(b), "the buffer of a batch row is missing"))
                 continue
             try:
@@ -458,30 +464,77 @@ class QueueBase:
         timeout: float | None,
         what: str,
         before: Sequence[Sequence[Any]] = (),
+        may_wait: bool = False,
+        after: Sequence[Sequence[Any]] = (),
+        sink: list[Any] | None = None,
     ) -> list[Any]:
         """Run one attempt to completion; returns the final reply.
 
         ``tokens``: the script's small arguments after the lease, space-separated;
         ``payload``: its binary arguments; ``before``: plain commands sent ahead of the
-        first script call, in the same round trip (a batch's buffer).
+        first script call, in the same round trip (a batch's buffer); ``may_wait``: a
+        dequeue that may block (not a nowait one); ``after``: plain commands sent after
+        each script call that may deliver (the first, and the collect after each wait),
+        in its round trip; ``sink`` gets the replies of those sent with the final reply
+        (none if that came from elsewhere, e.g. a timed-out attempt's abort).
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
         waiters = None  # set up only when the attempt has to wait
         done = asyncio.Event()
+        # A dequeue after one that had to wait will probably wait too (a consumer that
+        # outpaces its producers): send it with its first wait, in one round trip; the
+        # script wakes the wait itself if it does not leave the attempt waiting.
+        pipelined = (
+            may_wait
+            and script == "dequeue"
+            and self._waited
+            and (timeout is None or timeout >= BLOCK_SECONDS)
+        )
         try:
             reply: list[Any]
-            if before:
+            triple = None
+            if pipelined:
+                waiters = waiters_of(client)
+                waiters.blocked[aid] = (self._skeys, entry, done)
+                triple = await client.script_then_wait(
+                    script,
+                    self._skeys,
+                    [f"{LEASE_MS} {tokens} 1", *payload],
+                    wake,
+                    BLOCK_SECONDS,
+                    "collect",
+                    [f"{LEASE_MS} {entry} {aid} -"],
+                    after,
+                )
+            if triple is not None:
+                reply, waited, extra = triple
+                first = reply[0]
+                if first == b"wait" and waited is not None:
+                    reply = waited  # the wait's outcome, or 'pending'
+                if sink is not None:
+                    sink[:] = extra
+            elif after:
+                reply, extra = await client.run_script_then_commands(
+                    script, self._skeys, [f"{LEASE_MS} {tokens}", *payload], after
+                )
+                first = reply[0]
+                if sink is not None:
+                    sink[:] = extra
+            elif before:
                 _, reply = await client.run_commands_then_script(
                     before, script, self._skeys, [f"{LEASE_MS} {tokens}", *payload]
                 )
+                first = reply[0]
             else:
                 reply = await client.run_script(
                     script, self._skeys, [f"{LEASE_MS} {tokens}", *payload]
                 )
+                first = reply[0]
             if script == "dequeue":  # it dropped the record named in args
                 self._forget = ""
+                self._waited = first == b"wait"
             while reply[0] in (b"wait", b"pending"):
                 if deadline is None:
                     block = BLOCK_SECONDS
@@ -491,6 +544,8 @@ class QueueBase:
                         reply = await client.run_script(
                             "abort", self._skeys, [f"{LEASE_MS} {entry} {aid} timeout"]
                         )
+                        if sink is not None:
+                            sink.clear()
                         if reply[0] in (b"aborted", b"cancelled"):
                             raise DeadlineExceededError(
                                 f"Timed out after {timeout} s waiting to {what} "
@@ -501,13 +556,17 @@ class QueueBase:
                 if waiters is None:
                     waiters = waiters_of(client)
                 waiters.blocked[aid] = (self._skeys, entry, done)
-                reply = await client.wait_then_script(
-                    wake,
-                    block,
-                    "collect",
-                    self._skeys,
-                    [f"{LEASE_MS} {entry} {aid} {self._forget or '-'}"],
-                )
+                collect = [f"{LEASE_MS} {entry} {aid} {self._forget or '-'}"]
+                if after:
+                    reply, extra = await client.wait_then_script(
+                        wake, block, "collect", self._skeys, collect, after
+                    )
+                    if sink is not None:
+                        sink[:] = extra
+                else:
+                    reply = await client.wait_then_script(
+                        wake, block, "collect", self._skeys, collect
+                    )
                 self._forget = ""
         except asyncio.CancelledError:
             await asyncio.shield(
@@ -568,7 +627,9 @@ class QueueBase:
         buffer = _rows_buffer(blobs)
         before: list[tuple[Any, ...]] = []
         if buffer is not None:
-            blobs, before = batch_commands(self._prefix, aid, buffer, len(blobs))
+            blobs, before = batch_commands(
+                self._prefix, aid, buffer, len(blobs), self._spec.kind in ("fifo", "padding")
+            )
         else:
             blobs = await store_large(client, self._prefix, aid, blobs)
         if order is not None:
@@ -691,9 +752,19 @@ class QueueBase:
         acked: list[str] | None,
     ) -> list[np.ndarray]:
         flag = "A" if acked is not None else ""
+        # A list queue's delivery of one whole batch buffer takes the buffer along
+        # (renamed b:<aid>: see hand_over in queue_common.lua), read in the same round
+        # trip as the reply. Asked for with batch dequeues, and with single ones once
+        # this queue object has seen a batch entry.
+        handed = (
+            acked is None
+            and self._spec.kind in ("fifo", "padding")
+            and (mode != "one" or self._saw_entries)
+        )
         while True:
             need = n - len(got)
             aid = client.new_id()
+            sink: list[Any] = []
             reply = await self._attempt(
                 client,
                 "dequeue",
@@ -703,20 +774,29 @@ class QueueBase:
                 (),
                 timeout,
                 "dequeue",
+                may_wait=not nowait,
+                after=((b"GET", f"{self._prefix}b:{aid}"),) if handed else (),
+                sink=sink,
             )
             status = reply[0]
             if status == b"ok":
-                if acked is None:
-                    self._forget = aid
-                else:
+                if acked is not None:
                     acked.append(aid)
                 stored = reply[1]
                 blobs = self._strip_keys(stored)
                 joined = None
-                if any(is_ref(b) for b in blobs):
+                rows = handed_rows(aid, blobs, sink[0] if sink else None)
+                if rows is not None:
+                    blobs, joined = rows
+                elif any(is_ref(b) for b in blobs):
+                    self._saw_entries = self._saw_entries or any(
+                        b[:3] == BATCH_ENTRY for b in blobs
+                    )
                     blobs, joined = await self._fetch_out_of_line(
                         client, stored, blobs, acked is None
                     )
+                if acked is None:  # read: the next dequeue may drop the record
+                    self._forget = aid
                 if self._fixed and len(blobs) > 1 and not got:
                     assert self._spec.shapes is not None
                     batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes, joined)  # type: ignore[arg-type]
@@ -783,7 +863,7 @@ class QueueBase:
         client: Client,
         stored: list[Any],
         blobs: list[Any],
-        runs: list[tuple[str, int, int, int, list[int]]],
+        runs: list[Run],
     ) -> tuple[list[Any], Any]:
         """Read delivered batch rows and release them in one round trip.
 
@@ -805,8 +885,7 @@ class QueueBase:
         except asyncio.CancelledError:
             with contextlib.suppress(QpsError):
                 datas, _ = await call
-                rows = place_rows(blobs, runs, datas)
-                back = [s[: len(s) - len(b)] + bytes(r) for s, b, r in zip(stored, blobs, rows)]
+                back = inline_rows(stored, blobs, runs, datas)
                 await asyncio.shield(
                     client.run_script("requeue", self._skeys, [str(LEASE_MS), *back])
                 )
@@ -1041,7 +1120,12 @@ class QueueBase:
                 return int(await client.commands.hget(self._keys[0], "n") or 0)
             if self._spec.kind == "priority":
                 return int(await client.commands.zcard(self._keys[1]))
-            return int(await client.commands.llen(self._keys[1]))
+            # LLEN items + x (batch entries' rows beyond one each), read atomically
+            pipe = client.commands.pipeline(transaction=True)
+            pipe.llen(self._keys[1])
+            pipe.hget(self._keys[0], "x")
+            entries, extra = await pipe.execute()
+            return int(entries) + int(extra or 0)
 
     async def stats(self) -> QueueStats:
         """A snapshot of the queue; changes nothing."""

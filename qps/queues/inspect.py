@@ -8,7 +8,14 @@ from typing import Any
 
 from qps import keys
 from qps.errors import NotFoundError
-from qps.queues.large import REF, chunk_keys, parse_ref, read_batch_rows
+from qps.queues.large import (
+    BATCH_ENTRY,
+    REF,
+    chunk_keys,
+    parse_batch_entry,
+    parse_ref,
+    read_batch_rows,
+)
 from qps.queues.spec import QueueSpec
 from qps.transport import Client, map_errors
 
@@ -71,18 +78,21 @@ async def queue_stats(
         if not meta:
             raise NotFoundError(f"no queue '{name}' in container '{container}'")
         spec = QueueSpec.from_json(meta[b"spec"])
-        pipe = client.commands.pipeline(transaction=False)
+        pipe = client.commands.pipeline(transaction=True)
         if spec.kind == "shuffle":
             pipe.hget(prefix + "meta", "n")
         elif spec.kind == "priority":
             pipe.zcard(prefix + "items")
         else:
             pipe.llen(prefix + "items")
+            pipe.hget(prefix + "meta", "x")  # the rows of batch entries beyond one each
         for e in dw:
-            pipe.llen(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h")
-        stored, *holds = await pipe.execute()
-        held = sum(holds)
-    size = int(stored or 0)
+            pipe.lrange(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h", 0, -1)
+        got = await pipe.execute()
+        size = int(got[0] or 0)
+        if spec.kind in ("fifo", "padding"):
+            size += int(got.pop(1) or 0)
+        held = sum(elements(h) for h in got[1:])
     return QueueStats(
         name=name,
         container=container,
@@ -160,10 +170,11 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
             raw = [as_bytes(b)[PRIORITY_KEY_BYTES:] for b in members]  # type: ignore[arg-type]
         else:
             raw = [as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
-    rows = await read_batch_rows(client, prefix, list(raw))  # reads only: nothing released
+    # reads only: nothing released; a batch entry gives all of its rows
+    rows = (await read_batch_rows(client, prefix, list(raw)))[:k]
     return [
-        await _assemble(client, prefix, b) if b.startswith(REF) else StoredElement(bytes(r))
-        for b, r in zip(raw, rows)
+        await _assemble(client, prefix, bytes(r)) if r[:3] == REF else StoredElement(bytes(r))
+        for r in rows
     ]
 
 
@@ -190,6 +201,15 @@ async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_
 
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def elements(values: list[bytes]) -> int:
+    """How many elements stored values stand for (a batch entry: its rows)."""
+    n = len(values)
+    for v in values:
+        if v[:3] == BATCH_ENTRY and (entry := parse_batch_entry(bytes(v))) is not None:
+            n += entry[2] - 1
+    return n
 
 
 def as_bytes(x: bytes | str) -> bytes:

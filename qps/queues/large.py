@@ -6,11 +6,14 @@ Lua scripts keep the chunks' TTLs right (stored, pending and held chunks never e
 delivered ones expire unless the consumer deletes them first, which it does at once).
 
 An ``enqueue_many`` of fixed-shape rows of at least BATCH_MIN_BYTES is written as one
-buffer ``<prefix>b:<bid>`` (plain ``SET``), and the queue holds one reference per row,
-``QS|<bid>|<row>|<row bytes>``: the rows' bytes never pass through Lua. ``b:<bid>:u``
-counts the rows not yet read; a consumer reads its rows with ``GETRANGE`` (consecutive
-rows in one range) and then runs the ``release`` script, which deletes the buffer with
-the last row. Rows that are never stored are released by the scripts.
+buffer ``<prefix>b:<bid>`` (plain ``SET``): the rows' bytes never pass through Lua. A
+list queue (FIFO, padding) holds one *batch entry* ``QB|<bid>|<first row>|<rows>|<row
+bytes>`` standing for a run of rows (the scripts split it when only some rows leave); a
+shuffle or priority queue, whose elements leave one by one, holds one reference per row,
+``QS|<bid>|<row>|<row bytes>``. ``b:<bid>:u`` counts the rows not yet read; a consumer
+reads its rows with ``GETRANGE`` (consecutive rows in one range) and then runs the
+``release`` script, which deletes the buffer with the last row. Rows that are never
+stored are released by the scripts.
 """
 
 from __future__ import annotations
@@ -30,13 +33,26 @@ CHUNK_BYTES = 1 << 20
 CHUNK_TTL_MS = 600_000
 REF = b"QR|"
 BATCH_REF = b"QS|"
+BATCH_ENTRY = b"QB|"
 #: enqueue_many batches of fixed-shape rows at least this large travel as one buffer
 BATCH_MIN_BYTES = 64 << 10
 
 
 def is_ref(blob: Any) -> bool:
     """Whether a stored value is a reference to bytes stored out of line."""
-    return bool(blob[:3] == REF or blob[:3] == BATCH_REF)
+    tag = blob[:3]
+    return bool(tag in (REF, BATCH_REF, BATCH_ENTRY))
+
+
+def parse_batch_entry(entry: bytes) -> tuple[str, int, int, int] | None:
+    """``(bid, first row, rows, row bytes)`` of a batch entry, or None if not one."""
+    try:
+        tag, bid, first, rows, size = entry.decode("ascii").split("|")
+        if tag != "QB":
+            return None
+        return bid, int(first), int(rows), int(size)
+    except ValueError:
+        return None
 
 
 def parse_batch_ref(ref: bytes) -> tuple[str, int, int] | None:
@@ -55,11 +71,12 @@ def batch_key(prefix: str, bid: str) -> str:
 
 
 def batch_commands(
-    prefix: str, aid: str, buffer: Any, rows: int
+    prefix: str, aid: str, buffer: Any, rows: int, entry: bool = False
 ) -> tuple[list[bytes], list[tuple[Any, ...]]]:
-    """The references to the rows of ``buffer`` (``rows`` equal rows, C-contiguous)
-    stored as one value, and the commands that store it (to run before the enqueue
-    script, in the same round trip)."""
+    """The values that stand for the rows of ``buffer`` (``rows`` equal rows,
+    C-contiguous) stored as one value, and the commands that store it (to run before the
+    enqueue script, in the same round trip). ``entry``: one batch entry for all rows (a
+    list queue), else one reference per row."""
     view = memoryview(buffer).cast("B")
     size = view.nbytes // rows
     key = batch_key(prefix, aid)
@@ -67,12 +84,18 @@ def batch_commands(
         (b"SET", key, view, b"PX", CHUNK_TTL_MS),
         (b"SET", key + ":u", rows, b"PX", CHUNK_TTL_MS),
     ]
+    if entry:
+        return [f"QB|{aid}|0|{rows}|{size}".encode()], commands
     head = f"QS|{aid}|".encode()
     tail = f"|{size}".encode()
     return [b"%s%d%s" % (head, i, tail) for i in range(rows)], commands
 
 
-def _one_run(blobs: Sequence[Any]) -> tuple[str, int, int, int, list[int]] | None:
+#: a run of consecutive rows of one buffer (see :func:`batch_runs`)
+Run = tuple[str, int, int, int, list[int]]
+
+
+def _one_run(blobs: Sequence[Any]) -> Run | None:
     """The common case of :func:`batch_runs`: every value is a reference and together
     they are consecutive rows of one buffer (checked exactly, in C-speed comparisons)."""
     first, last = blobs[0], blobs[-1]
@@ -89,14 +112,24 @@ def _one_run(blobs: Sequence[Any]) -> tuple[str, int, int, int, list[int]] | Non
     return bid, row, len(blobs), size, list(range(len(blobs)))
 
 
-def batch_runs(blobs: Sequence[Any]) -> list[tuple[str, int, int, int, list[int]]]:
-    """Group the batch-row references among ``blobs`` into runs of consecutive rows of
-    one buffer: ``(bid, first row, row count, row bytes, positions in blobs)``."""
+def batch_runs(blobs: Sequence[Any]) -> list[Run]:
+    """Group the batch rows among ``blobs`` into runs of consecutive rows of one buffer:
+    ``(bid, first row, row count, row bytes, positions in blobs)``. A batch entry is a
+    run of its own, at one position (rows 1:1 with positions otherwise)."""
+    if len(blobs) == 1 and blobs[0][:3] == BATCH_ENTRY:
+        entry = parse_batch_entry(bytes(blobs[0]))
+        return [] if entry is None else [(entry[0], entry[1], entry[2], entry[3], [0])]
     if blobs and (one := _one_run(blobs)) is not None:
         return [one]
-    runs: list[tuple[str, int, int, int, list[int]]] = []
+    runs: list[Run] = []
     for pos, blob in enumerate(blobs):
-        if blob[:3] != BATCH_REF:
+        tag = blob[:3]
+        if tag == BATCH_ENTRY:
+            entry = parse_batch_entry(bytes(blob))
+            if entry is not None:
+                runs.append((entry[0], entry[1], entry[2], entry[3], [pos]))
+            continue
+        if tag != BATCH_REF:
             continue
         parsed = parse_batch_ref(bytes(blob))
         if parsed is None:
@@ -112,7 +145,7 @@ def batch_runs(blobs: Sequence[Any]) -> list[tuple[str, int, int, int, list[int]
     return runs
 
 
-def read_commands(prefix: str, runs: list[tuple[str, int, int, int, list[int]]]) -> list[Any]:
+def read_commands(prefix: str, runs: list[Run]) -> list[Any]:
     """One GETRANGE per run of rows (see :func:`batch_runs`)."""
     return [
         (b"GETRANGE", batch_key(prefix, bid), first * size, (first + count) * size - 1)
@@ -120,18 +153,71 @@ def read_commands(prefix: str, runs: list[tuple[str, int, int, int, list[int]]])
     ]
 
 
-def place_rows(
-    blobs: list[Any], runs: list[tuple[str, int, int, int, list[int]]], datas: list[Any]
-) -> list[Any]:
-    """``blobs`` with the references of ``runs`` replaced by slices of ``datas`` (the
-    runs' GETRANGE replies); a reference whose buffer is missing or short stays."""
-    out = list(blobs)
+def _rows_at(runs: list[Run], datas: list[Any]) -> dict[int, list[Any]]:
+    """Position in the blobs -> the rows read for the value there (one row for a
+    reference, all its rows for a batch entry); values whose buffer is missing or
+    short are left out."""
+    at: dict[int, list[Any]] = {}
     for (_, _, count, size, where), data in zip(runs, datas):
         if len(data) != count * size:
             continue
         view = memoryview(data)
-        for k, pos in enumerate(where):
-            out[pos] = view[k * size : (k + 1) * size]
+        if len(where) == count:
+            for k, pos in enumerate(where):
+                at[pos] = [view[k * size : (k + 1) * size]]
+        else:
+            at[where[0]] = [view[k * size : (k + 1) * size] for k in range(count)]
+    return at
+
+
+def place_rows(blobs: list[Any], runs: list[Run], datas: list[Any]) -> list[Any]:
+    """``blobs`` with the references and batch entries of ``runs`` replaced by slices of
+    ``datas`` (the runs' GETRANGE replies), a batch entry by all of its rows; a value
+    whose buffer is missing or short stays."""
+    at = _rows_at(runs, datas)
+    if not at:
+        return list(blobs)
+    out: list[Any] = []
+    for pos, blob in enumerate(blobs):
+        rows = at.get(pos)
+        if rows is None:
+            out.append(blob)
+        else:
+            out.extend(rows)
+    return out
+
+
+def handed_rows(aid: str, blobs: list[Any], data: Any) -> tuple[list[Any], Any] | None:
+    """The rows of a delivery that took its buffer along (``blobs`` is one batch entry
+    of buffer ``aid``, the dequeue's own id, and ``data`` that buffer, read in the same
+    round trip): zero-copy slices, and the slice holding them all. None otherwise."""
+    if data is None or len(blobs) != 1 or blobs[0][:3] != BATCH_ENTRY:
+        return None
+    entry = parse_batch_entry(bytes(blobs[0]))
+    if entry is None or entry[0] != aid:
+        return None
+    _, first, rows, size = entry
+    if len(data) < (first + rows) * size:
+        return None
+    view = memoryview(data)[first * size : (first + rows) * size]
+    return [view[k * size : (k + 1) * size] for k in range(rows)], view
+
+
+def inline_rows(
+    stored: list[Any], blobs: list[Any], runs: list[Run], datas: list[Any]
+) -> list[bytes]:
+    """The values to give back for ``stored`` (the delivered values, ``blobs`` the same
+    without a priority key in front) once their rows were read and released: each row
+    as its own element bytes, behind the key its reference had."""
+    at = _rows_at(runs, datas)
+    out: list[bytes] = []
+    for pos, (s, b) in enumerate(zip(stored, blobs)):
+        rows = at.get(pos)
+        if rows is None:
+            out.append(bytes(s))
+        else:
+            key = bytes(s[: len(s) - len(b)])
+            out.extend(key + bytes(r) for r in rows)
     return out
 
 
