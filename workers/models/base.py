@@ -216,10 +216,11 @@ class BaseModel:
 
 def he_normal(rng: np.random.Generator, fan_in: int, fan_out: int) -> Array:
     """W4's layer init: ``rng.standard_normal((fan_in, fan_out), float32) *
-    sqrt(2 / fan_in)`` (float32)."""
+    np.sqrt(2 / fan_in)`` as float32. The product is taken in float64 and rounded once
+    (what NumPy computes for that expression before a cast to float32; a product in
+    float32 arithmetic can differ from it by one ulp)."""
     w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-    w *= np.float32(math.sqrt(2.0 / fan_in))
-    return w
+    return (w * np.sqrt(2.0 / fan_in)).astype(np.float32)
 
 
 def check_params(model: Model, params: Params) -> None:

@@ -82,9 +82,9 @@ class EmbeddingBagMLP(BaseModel):
         seed: int = 0,
     ) -> None:
         name = type(self).__name__
-        self.vocab = check_widths(vocab, f"{name} vocab", min_layers=0)
-        if not self.vocab:
+        if not list(vocab):
             raise InvalidArgumentError(f"{name}: needs at least one field (table)")
+        self.vocab = check_widths(vocab, f"{name} vocab", min_layers=0)
         (self.dim,) = check_widths([dim], f"{name} dim", min_layers=0)
         self.hidden = check_widths(hidden, f"{name} hidden", min_layers=0) if hidden else ()
         (self.bag,) = check_widths([bag], f"{name} bag", min_layers=0)
