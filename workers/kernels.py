@@ -116,14 +116,14 @@ def _cuda(name: str) -> Any:
             "qps_sigmoid_xent",
         )
     if name == "relu":
-        return cp.ElementwiseKernel("T x", "T y", "y = x > (T)0 ? x : (T)0", "qps_relu")
+        return cp.ElementwiseKernel("T x", "T y", "y = x > (T)0 ? x : (T)0;", "qps_relu")
     if name == "relu_backward":
         return cp.ElementwiseKernel(
-            "T g, T y", "T dx", "dx = y > (T)0 ? g : (T)0", "qps_relu_backward"
+            "T g, T y", "T dx", "dx = y > (T)0 ? g : (T)0;", "qps_relu_backward"
         )
     if name == "bias_relu":
         return cp.ElementwiseKernel(
-            "T x, T b", "T y", "T v = x + b; y = v > (T)0 ? v : (T)0", "qps_bias_relu"
+            "T x, T b", "T y", "T v = x + b; y = v > (T)0 ? v : (T)0;", "qps_bias_relu"
         )
     if name == "bag_fixed":
         # out[b, d] = pool over j of table[ids[b, j], d], ids < 0 skipped
@@ -458,7 +458,15 @@ def embedding_bag(
                 table, xp.ascontiguousarray(ids), int(ids.shape[1]), dim, int(mean), out
             )
         else:
-            _cuda("bag_offsets")(table, ids, starts, ends, dim, int(mean), out)
+            _cuda("bag_offsets")(
+                table,
+                xp.ascontiguousarray(ids),
+                xp.ascontiguousarray(starts),
+                xp.ascontiguousarray(ends),
+                dim,
+                int(mean),
+                out,
+            )
         return out
     scale = _bag_scale(xp, ids, ends, starts, mean, table.dtype)
     if starts is None:

@@ -181,7 +181,7 @@ class EmbeddingBagMLP(BaseModel):
             local.append((lids, None if pos is None else params[name].indices))
         xp = xp_of(w1, *pooled)
         if self.n_dense:
-            pooled.append(features(dense, w1.dtype, self.n_dense, "dense"))
+            pooled.append(features(dense, w1, self.n_dense, "dense"))
         x = xp.concatenate(pooled, axis=1) if len(pooled) > 1 else pooled[0]
         return x, local, y
 
@@ -207,7 +207,7 @@ class EmbeddingBagMLP(BaseModel):
             d_pooled = dx[:, f * self.dim : (f + 1) * self.dim]
             rows, values = kernels.embedding_bag_backward(d_pooled, lids, mode=self.pool)
             if row_map is not None:
-                rows = row_map[rows]
+                rows = xp_of(rows).asarray(row_map)[rows]
             grads[name] = SparseGradient(rows, values)
         grads.update(dense_grads)
         return loss, {name: grads[name] for name in self._names}

@@ -100,17 +100,18 @@ def check_widths(widths: Sequence[int], what: str, min_layers: int = 1) -> tuple
     return tuple(int(w) for w in ws)
 
 
-def features(x: Any, dtype: Any, n_in: int, what: str = "x") -> Array:
-    """``x`` as a ``[N, n_in]`` array of the parameters' dtype (on its own module).
+def features(x: Any, like: Array, n_in: int, what: str = "x") -> Array:
+    """``x`` as a ``[N, n_in]`` array of the dtype and module of ``like`` (a parameter):
+    a host batch moves to the device when the parameters are CuPy arrays.
 
     Raises:
         InvalidArgumentError: another shape.
     """
-    xp = xp_of(x)
+    xp = xp_of(like, x)
     x = xp.asarray(x)
     if x.ndim != 2 or x.shape[1] != n_in:
         raise InvalidArgumentError(f"{what} must be [N, {n_in}], got {list(x.shape)}")
-    return x.astype(dtype, copy=False)
+    return x.astype(like.dtype, copy=False)
 
 
 class MLP(BaseModel):
@@ -148,12 +149,12 @@ class MLP(BaseModel):
 
     def logits(self, params: Params, x: Array) -> Array:
         """The ``[N, classes]`` logits of inputs ``x``."""
-        x = features(x, params["W1"].dtype, self.widths[0])
+        x = features(x, params["W1"], self.widths[0])
         return dense_forward(params, x, self.layers)[-1]
 
     def loss_and_grads(self, params: Params, batch: Batch) -> tuple[float, dict[str, Gradient]]:
         x, y = _xy(batch)
-        x = features(x, params["W1"].dtype, self.widths[0])
+        x = features(x, params["W1"], self.widths[0])
         acts = dense_forward(params, x, self.layers)
         loss, g = kernels.softmax_cross_entropy(acts[-1], y)
         grads, _ = dense_backward(params, acts, g, self.layers)
