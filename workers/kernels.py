@@ -90,7 +90,7 @@ def _check_labels(xp: ModuleType, labels: Array, n: int, classes: int) -> Array:
     labels = _int_ids(xp, labels, "labels")
     if labels.shape != (n,):
         raise ValueError(f"labels must have shape [{n}], got {list(labels.shape)}")
-    if n and bool(((labels < 0) | (labels >= classes)).any()):
+    if n and (int(labels.min()) < 0 or int(labels.max()) >= classes):
         bad = int(xp.flatnonzero((labels < 0) | (labels >= classes))[0])
         raise ValueError(f"labels[{bad}] = {int(labels[bad])} is not in [0, {classes})")
     return labels
@@ -119,7 +119,7 @@ def _cuda(name: str) -> Any:
         return cp.ElementwiseKernel("T x", "T y", "y = x > (T)0 ? x : (T)0;", "qps_relu")
     if name == "relu_backward":
         return cp.ElementwiseKernel(
-            "T g, T y", "T dx", "dx = y > (T)0 ? g : (T)0;", "qps_relu_backward"
+            "T g, T y", "T dx", "dx = y > (T)0 ? g : g * (T)0;", "qps_relu_backward"
         )
     if name == "bias_relu":
         return cp.ElementwiseKernel(
@@ -338,11 +338,13 @@ def bias_relu(x: Array, b: Array) -> Array:
 
 def relu_backward(grad_out: Array, out: Array) -> Array:
     """The gradient of a ReLU's input, given the gradient of its output and the output
-    itself (``out > 0`` exactly where the input was > 0)."""
+    itself (``out > 0`` exactly where the input was > 0). NumPy multiplies by the mask
+    (four times faster than ``where`` on W4's sizes), so a NaN in ``grad_out`` stays NaN
+    even where the unit was off: a poisoned gradient is never hidden."""
     xp = xp_of(grad_out, out)
     if _fusable(xp, grad_out, out):
         return _cuda("relu_backward")(grad_out, out)
-    return xp.where(out > 0, grad_out, grad_out.dtype.type(0))
+    return grad_out * (out > 0)
 
 
 # ------------------------------------------------------------------------ embeddings
