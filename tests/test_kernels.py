@@ -123,6 +123,11 @@ def test_relu_forward_and_backward():
     fd = numgrad(lambda: float((K.relu(shifted) * r).sum()), shifted)
     np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-9)
     assert K.relu(x.astype(np.float32)).dtype == np.float32
+    # a poisoned gradient is never hidden, even where the unit was off
+    assert np.isnan(K.relu_backward(np.array([np.nan, 1.0]), np.array([0.0, 0.0]))).tolist() == [
+        True,
+        False,
+    ]
 
 
 # ------------------------------------------------------------------------- embeddings

@@ -14,7 +14,8 @@ import pytest
 
 from qps import backend
 from qps.errors import InvalidArgumentError
-from qps.ps.messages import SparseGradient
+from qps.ps.messages import SparseGradient, check_gradient
+from qps.varspec import VariableSpec
 from workers import data
 from workers.models import (
     MLP,
@@ -25,7 +26,9 @@ from workers.models import (
     SoftmaxRegression,
     build_model,
     check_params,
+    grads_to_host,
     model_names,
+    params_to,
     register_model,
 )
 
@@ -303,6 +306,27 @@ def test_param_specs_map_onto_variables():
     np.testing.assert_array_equal(vs["W1"].initializer((2, 1), np.float32), w1)
     with pytest.raises(InvalidArgumentError, match="is drawn by init_params"):
         m.params_spec()[1].variable()
+    # the tables are not drawn for variables(): only the dense layers are
+    drawn = m.init_drawn(np.random.default_rng(0))
+    assert list(drawn) == ["W1", "b1"]
+    np.testing.assert_array_equal(drawn["W1"], w1)
+
+
+def test_host_and_device_helpers_on_numpy():
+    m = build_model("embbag:tables=10,dim=2,dense=1,hidden=none")
+    params = m.init_params(np.random.default_rng(0))
+    batch = data.synthetic_ctr(5, m.vocab, bag=2, dense=1)
+    needed = m.rows_needed(batch)
+    pulled = {**params, "emb0": Rows(needed["emb0"], params["emb0"][needed["emb0"]])}
+    moved = params_to(pulled, np)
+    assert isinstance(moved["emb0"], Rows) and moved["W1"] is params["W1"]
+    _, grads = m.loss_and_grads(moved, batch)
+    host = grads_to_host(grads)
+    assert isinstance(host["emb0"], SparseGradient) and host["emb0"].indices.dtype == np.int64
+    np.testing.assert_array_equal(host["emb0"].indices, needed["emb0"])
+    for p in m.params_spec():  # what PSClient.push checks before sending
+        spec = VariableSpec(p.dtype, p.shape)
+        check_gradient(p.name, spec, host[p.name])
 
 
 # --------------------------------------------------------------------- spec strings
@@ -523,6 +547,12 @@ def test_gpu_model_twin(spec):
         assert backend.is_cupy_array(gd)
         np.testing.assert_allclose(cp.asnumpy(gd), gh, rtol=1e-3, atol=1e-5, err_msg=k)
     assert m.accuracy(dev_params, dev_batch) == pytest.approx(m.accuracy(params, batch))
+    # a host batch with device parameters, and the gradients back on the host
+    loss_mixed, g_mixed = m.loss_and_grads(params_to(params, cp), batch)
+    assert loss_mixed == pytest.approx(loss_h, rel=1e-4)
+    host = grads_to_host(g_mixed)
+    for p in m.params_spec():
+        check_gradient(p.name, VariableSpec(p.dtype, p.shape), host[p.name])
     if isinstance(m, EmbeddingBagMLP):
         needed = m.rows_needed(dev_batch)
         pulled = {**dev_params, **{n: Rows(r, dev_params[n][r]) for n, r in needed.items()}}

@@ -18,7 +18,9 @@ from workers.models.base import (
     Rows,
     SparseGradient,
     check_params,
+    grads_to_host,
     he_normal,
+    params_to,
 )
 from workers.models.embbag import EmbeddingBagMLP
 from workers.models.mlp import MLP, SoftmaxRegression
@@ -36,7 +38,9 @@ __all__ = [
     "SparseGradient",
     "build_model",
     "check_params",
+    "grads_to_host",
     "he_normal",
     "model_names",
+    "params_to",
     "register_model",
 ]

@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from qps import initializers
-from qps.backend import asnumpy, xp_of
+from qps.backend import asnumpy, to_backend, xp_of
 from qps.errors import InvalidArgumentError
 from qps.initializers import Initializer
 from qps.ps.messages import SparseGradient
@@ -51,8 +52,10 @@ __all__ = [
     "Rows",
     "SparseGradient",
     "check_params",
+    "grads_to_host",
     "he_normal",
     "local_rows",
+    "params_to",
 ]
 
 Array = Any  # a NumPy or CuPy ndarray
@@ -183,6 +186,13 @@ class BaseModel:
     def rows_needed(self, batch: Batch) -> dict[str, Array]:
         return {}
 
+    def init_drawn(self, rng: np.random.Generator) -> dict[str, Array]:
+        """The values :meth:`init_params` draws from ``rng`` (the parameters without an
+        initializer of their own); models with large tables override it so the tables
+        are not made."""
+        values = self.init_params(rng)
+        return {p.name: values[p.name] for p in self.params_spec() if p.initializer is None}
+
     def loss(self, params: Params, batch: Batch) -> float:
         """The mean loss of ``batch`` (the gradients are computed and dropped)."""
         return self.loss_and_grads(params, batch)[0]
@@ -203,15 +213,40 @@ class BaseModel:
         client: Client | None = None,
     ) -> dict[str, Variable]:
         """A :class:`qps.Variable` per parameter, initialized as :meth:`init_params`
-        with ``rng`` (default ``default_rng(0)``, W4's) would."""
-        values = self.init_params(rng if rng is not None else np.random.default_rng(0))
+        with ``rng`` (default ``default_rng(0)``, W4's) would. Parameters with their own
+        initializer keep it (a huge table is never drawn here)."""
+        values = self.init_drawn(rng if rng is not None else np.random.default_rng(0))
         return {
-            p.name: p.variable(values[p.name], container=container, client=client)
+            p.name: p.variable(values.get(p.name), container=container, client=client)
             for p in self.params_spec()
         }
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def grads_to_host(grads: Mapping[str, Gradient]) -> dict[str, Gradient]:
+    """``grads`` with every array on the host (NumPy), ready for ``PSClient.push``: a
+    no-op for NumPy arrays, one device-to-host copy per array for CuPy ones."""
+    out: dict[str, Gradient] = {}
+    for name, g in grads.items():
+        if isinstance(g, SparseGradient):
+            out[name] = SparseGradient(asnumpy(g.indices).astype(np.int64), asnumpy(g.values))
+        else:
+            out[name] = asnumpy(g)
+    return out
+
+
+def params_to(params: Params, xp: ModuleType) -> dict[str, Any]:
+    """``params`` with every array (and :class:`Rows`) moved to the module ``xp``
+    (``numpy`` or ``cupy``), e.g. pulled host arrays onto the GPU."""
+    out: dict[str, Any] = {}
+    for name, v in params.items():
+        if isinstance(v, Rows):
+            out[name] = Rows(to_backend(v.indices, xp), to_backend(v.values, xp))
+        else:
+            out[name] = to_backend(v, xp)
+    return out
 
 
 def he_normal(rng: np.random.Generator, fan_in: int, fan_out: int) -> Array:

@@ -132,6 +132,9 @@ class EmbeddingBagMLP(BaseModel):
         out.update(dense_init(rng, self.widths))
         return out
 
+    def init_drawn(self, rng: np.random.Generator) -> dict[str, Array]:
+        return dense_init(rng, self.widths)
+
     # -- batches ------------------------------------------------------------------------
     def _batch(self, batch: Batch) -> tuple[Array, Array, Array]:
         if len(batch) != 3:
