@@ -139,9 +139,9 @@ def synthetic_ctr(
     return x_dense, ids, y.astype(np.int64)
 
 
-def load_xy(path: str | os.PathLike[str], y_path: str | os.PathLike[str] | None = None) -> tuple[
-    npt.NDArray[Any], npt.NDArray[Any]
-]:  # fmt: skip
+def load_xy(
+    path: str | os.PathLike[str], y_path: str | os.PathLike[str] | None = None
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """``(x, y)`` from files, read without pickle.
 
     * ``data.npz``: arrays named ``x`` and ``y`` (or ``X`` and ``Y``/``y``), or exactly

@@ -260,9 +260,17 @@ def softmax_cross_entropy(
         _cuda("softmax_xent")(
             (blocks,),
             (threads,),
-            (logits, labels, grad, row_loss, np.int64(n), np.int64(c), np.float32(1.0 / n),
-             np.int32(with_grad)),
-        )  # fmt: skip
+            (
+                logits,
+                labels,
+                grad,
+                row_loss,
+                np.int64(n),
+                np.int64(c),
+                np.float32(1.0 / n),
+                np.int32(with_grad),
+            ),
+        )
         return float(row_loss.sum(dtype=np.float64)) / n, (grad if with_grad else None)
     rows = xp.arange(n)
     z = logits - logits.max(axis=1, keepdims=True)
@@ -410,8 +418,9 @@ def _pool_mode(mode: str) -> bool:
     return mode == "mean"
 
 
-def _bag_scale(xp: ModuleType, ids: Array, ends: Array | None, starts: Array | None,
-               mean: bool, dtype: Any) -> Array:  # fmt: skip
+def _bag_scale(
+    xp: ModuleType, ids: Array, ends: Array | None, starts: Array | None, mean: bool, dtype: Any
+) -> Array:
     """Per bag: 1 (sum) or 1 / max(count, 1) (mean), as ``dtype``."""
     if ends is None:
         count = (ids >= 0).sum(axis=1)
@@ -519,9 +528,15 @@ def embedding_bag_backward(
         out = xp.zeros((int(uniq.shape[0]), dim), grad.dtype)
         if flat.size and dim:
             _cuda("bag_fixed_backward")(
-                xp.ascontiguousarray(grad), flat, inv, scale, int(ids.shape[1]), dim, out,
+                xp.ascontiguousarray(grad),
+                flat,
+                inv,
+                scale,
+                int(ids.shape[1]),
+                dim,
+                out,
                 size=int(flat.size) * dim,
-            )  # fmt: skip
+            )
         if uniq.size and int(uniq[0]) < 0:  # the padding id
             uniq, out = uniq[1:], out[1:]
         return uniq, out
