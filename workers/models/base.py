@@ -16,7 +16,7 @@ A model is a plain object (no state of its own besides its configuration) with:
 ``params`` maps every parameter name to its value: an array (NumPy or CuPy; the model
 computes with the module of the arrays it gets), or, for a sparse parameter, either the
 whole table or :class:`Rows` (some rows of it, as pulled with
-:meth:`qps.Session.pull_rows`-style reads). A batch is a tuple of arrays whose last one
+:meth:`qps.ps.client.PSClient.pull_rows`). A batch is a tuple of arrays whose last one
 holds the labels; which arrays come before is the model's own business (``(x, y)`` for
 the dense models). See ``docs/models.md``.
 """
