@@ -264,6 +264,21 @@ def test_scatter_add_rows_property(ids, dim):
 needs_gpu = pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
 
 
+def test_softmax_kernel_source_compiles_with_nvrtc():
+    """The raw CUDA source compiles (NVRTC needs no device); skipped without CuPy's NVRTC."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # CuPy without a loadable libnvrtc
+        pytest.skip(f"NVRTC is not available: {exc}")
+    prog = nvrtc.createProgram(K._SOFTMAX_XENT_SRC, "qps_softmax_xent.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_70"])
+    except Exception:
+        pytest.fail(nvrtc.getProgramLog(prog))
+    assert nvrtc.getPTX(prog)
+
+
 @pytest.fixture(params=[True, False], ids=["fused", "plain"])
 def cupy_mode(request, monkeypatch):
     import cupy as cp
