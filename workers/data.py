@@ -1,0 +1,208 @@
+"""Data for the workers: the benchmark data sets, a synthetic CTR set, files, minibatches.
+
+* :func:`load_digits` — W4/W6's digits split, exactly as ``WORKLOADS.md`` defines it.
+* :func:`teacher_data` — W5's random-teacher data set, drawn in W5's order.
+* :func:`synthetic_ctr` — seeded click data for :class:`~workers.models.EmbeddingBagMLP`
+  (skewed ids, so a batch repeats rows as real CTR data does).
+* :func:`load_xy` — ``(x, y)`` from ``.npz`` / ``.npy`` files (never pickles).
+* :func:`minibatches` — W4's minibatch order: a fresh permutation each epoch, consecutive
+  chunks, the last partial chunk dropped; :func:`take` slices a batch tuple.
+
+A batch is a tuple of arrays whose last one holds the labels (see
+:mod:`workers.models.base`). Everything here is NumPy on the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from qps.errors import InvalidArgumentError
+
+__all__ = [
+    "Dataset",
+    "load_digits",
+    "load_xy",
+    "minibatches",
+    "synthetic_ctr",
+    "take",
+    "teacher_data",
+]
+
+F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
+
+
+class Dataset(NamedTuple):
+    """A train/test split of features and int64 labels."""
+
+    x_train: F32
+    y_train: I64
+    x_test: F32
+    y_test: I64
+
+
+def load_digits() -> Dataset:
+    """W4's data: ``sklearn.datasets.load_digits(return_X_y=True)``, split by
+    ``train_test_split(test_size=0.2, random_state=0)`` (1,437 train / 360 test), a
+    ``StandardScaler`` fit on the train part and applied to both; float32 features,
+    int64 labels."""
+    datasets = importlib.import_module("sklearn.datasets")
+    selection = importlib.import_module("sklearn.model_selection")
+    preprocessing = importlib.import_module("sklearn.preprocessing")
+    x, y = datasets.load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = selection.train_test_split(x, y, test_size=0.2, random_state=0)
+    scaler = preprocessing.StandardScaler().fit(x_tr)
+    return Dataset(
+        np.ascontiguousarray(scaler.transform(x_tr), dtype=np.float32),
+        np.asarray(y_tr, dtype=np.int64),
+        np.ascontiguousarray(scaler.transform(x_te), dtype=np.float32),
+        np.asarray(y_te, dtype=np.int64),
+    )
+
+
+def teacher_data(
+    n_train: int = 60_000, n_test: int = 10_000, features: int = 784, classes: int = 10
+) -> Dataset:
+    """W5's data: ``rng = default_rng(0)``; in this order ``X = rng.standard_normal((60000,
+    784), float32)``, teacher ``T = rng.standard_normal((784, 10), float32)``, ``Xte =
+    rng.standard_normal((10000, 784), float32)``; labels ``argmax(X @ T)``. Smaller sizes
+    are for tests (they draw other numbers than W5's)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n_train, features), dtype=np.float32)
+    t = rng.standard_normal((features, classes), dtype=np.float32)
+    x_te = rng.standard_normal((n_test, features), dtype=np.float32)
+    return Dataset(
+        x,
+        np.argmax(x @ t, axis=1).astype(np.int64),
+        x_te,
+        np.argmax(x_te @ t, axis=1).astype(np.int64),
+    )
+
+
+def synthetic_ctr(
+    n: int,
+    vocab: Sequence[int],
+    *,
+    bag: int = 1,
+    dense: int = 0,
+    classes: int = 1,
+    seed: int = 0,
+    skew: float = 2.0,
+    ragged: bool = False,
+) -> tuple[F32, I64, I64]:
+    """Seeded click data ``(dense [n, dense] float32, ids [n, fields, bag] int64, y [n]
+    int64)`` with a learnable rule.
+
+    A hidden teacher gives every id of every field a weight per class and every dense
+    feature one; an example's score per class is the sum over fields of its bag's mean
+    id weight plus its dense features times theirs. ``y`` is ``score > 0`` for
+    ``classes = 1`` and the best class otherwise. Ids are ``floor(vocab * u**skew)``
+    for uniform ``u`` (``skew > 1`` makes small ids common). With ``ragged``, bag sizes
+    are uniform in ``[1, bag]`` and ``-1`` pads the rest. The same ``seed`` and ``vocab``
+    give the same teacher, so two calls with different ``n`` share the rule only when
+    ``seed`` is equal; draw once and split for train and test.
+
+    Raises:
+        InvalidArgumentError: sizes < 1 (``n``, ``dense`` may be 0) or ``skew <= 0``.
+    """
+    vocab = [int(v) for v in vocab]
+    if not vocab or min(vocab) < 1 or bag < 1 or classes < 1 or n < 0 or dense < 0:
+        raise InvalidArgumentError(
+            f"synthetic_ctr: bad sizes n={n}, vocab={vocab}, bag={bag}, dense={dense}, "
+            f"classes={classes}"
+        )
+    if not skew > 0:
+        raise InvalidArgumentError(f"synthetic_ctr: skew must be > 0, got {skew}")
+    rng = np.random.default_rng(seed)
+    k = classes
+    w_ids = [rng.standard_normal((v, k)) for v in vocab]
+    w_dense = rng.standard_normal((dense, k))
+    fields = len(vocab)
+    u = rng.random((n, fields, bag))
+    ids = np.floor(np.asarray(vocab)[None, :, None] * u**skew).astype(np.int64)
+    if ragged and bag > 1:
+        length = rng.integers(1, bag + 1, size=(n, fields, 1))
+        ids[np.arange(bag)[None, None, :] >= length] = -1
+    x_dense = rng.standard_normal((n, dense), dtype=np.float32)
+    score = x_dense.astype(np.float64) @ w_dense
+    for f in range(fields):
+        valid = ids[:, f, :] >= 0
+        w = w_ids[f][np.where(valid, ids[:, f, :], 0)] * valid[..., None]
+        score += w.sum(axis=1) / np.maximum(valid.sum(axis=1), 1)[:, None]
+    y = (score[:, 0] > 0) if k == 1 else score.argmax(axis=1)
+    return x_dense, ids, y.astype(np.int64)
+
+
+def load_xy(
+    path: str | os.PathLike[str], y_path: str | os.PathLike[str] | None = None
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """``(x, y)`` from files, read without pickle.
+
+    * ``data.npz``: arrays named ``x`` and ``y`` (or ``X`` and ``Y``/``y``), or exactly
+      two arrays (the first is x).
+    * ``x.npy`` with ``y_path="y.npy"``.
+
+    Raises:
+        InvalidArgumentError: another kind of file, names that do not say which array
+            is which, or x and y of different lengths.
+        OSError: the file cannot be read.
+    """
+    p = os.fspath(path)
+    if p.endswith(".npz"):
+        if y_path is not None:
+            raise InvalidArgumentError(f"{p}: an .npz holds both arrays; give no y_path")
+        with np.load(p, allow_pickle=False) as z:
+            names = list(z.files)
+            xn = next((n for n in ("x", "X") if n in names), None)
+            yn = next((n for n in ("y", "Y") if n in names), None)
+            if xn is None or yn is None:
+                if len(names) != 2:
+                    raise InvalidArgumentError(
+                        f"{p}: expected arrays 'x' and 'y' (or exactly two), got {names}"
+                    )
+                xn, yn = names
+            x, y = z[xn], z[yn]
+    elif p.endswith(".npy"):
+        if y_path is None:
+            raise InvalidArgumentError(f"{p}: an .npy holds one array; give y_path too")
+        x = np.load(p, allow_pickle=False)
+        y = np.load(os.fspath(y_path), allow_pickle=False)
+    else:
+        raise InvalidArgumentError(f"{p}: expected a .npz or .npy file")
+    if x.ndim < 1 or y.ndim < 1 or x.shape[0] != y.shape[0]:
+        raise InvalidArgumentError(
+            f"{p}: x {list(x.shape)} and y {list(y.shape)} do not have the same length"
+        )
+    return x, y
+
+
+def minibatches(
+    n: int, batch_size: int, rng: np.random.Generator, epochs: int | None = None
+) -> Iterator[I64]:
+    """Index arrays of W4's minibatches: each epoch a fresh ``rng.permutation(n)`` cut
+    into consecutive chunks of ``batch_size``, the last partial chunk dropped; forever
+    when ``epochs`` is None. Worker ``k`` uses ``default_rng(1 + k)``.
+
+    Raises:
+        InvalidArgumentError: ``batch_size`` not in ``[1, n]``.
+    """
+    if not 1 <= batch_size <= n:
+        raise InvalidArgumentError(f"batch_size {batch_size} is not in [1, {n}]")
+    per_epoch = n // batch_size
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        perm = rng.permutation(n)
+        for i in range(per_epoch):
+            yield perm[i * batch_size : (i + 1) * batch_size]
+        epoch += 1
+
+
+def take(batch: Sequence[npt.NDArray[Any]], idx: Any) -> tuple[npt.NDArray[Any], ...]:
+    """``batch`` restricted to examples ``idx`` (every array indexed on axis 0)."""
+    return tuple(a[idx] for a in batch)
