@@ -29,7 +29,9 @@ from qps.cli.container import container
 from qps.cli.demo import demo
 from qps.cli.ps import ps
 from qps.cli.queue import queue
+from qps.cli.train import train
 from qps.cli.var import var
+from qps.cli.worker import worker
 from qps.errors import QpsError
 
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
@@ -78,6 +80,8 @@ def cli(log_level: str) -> None:
 cli.add_command(queue)
 cli.add_command(container)
 cli.add_command(var)
+cli.add_command(worker)
+cli.add_command(train)
 cli.add_command(ps)
 cli.add_command(checkpoint)
 cli.add_command(demo)

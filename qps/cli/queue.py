@@ -56,8 +56,6 @@ PREVIEW_THRESHOLD = 20
 # -- helpers --------------------------------------------------------------------------
 
 
-
-
 def _capacity_text(capacity: int) -> str:
     return "unbounded" if capacity < 0 else str(capacity)
 

@@ -51,7 +51,7 @@ __all__ = [
 
 #: Messages a shard's gradient queue holds before pushes block (bounds a PS's memory:
 #: TF issue #6508, 64 workers OOM one PS).
-GRADIENT_QUEUE_CAPACITY = 256
+GRADIENT_QUEUE_CAPACITY = 8
 #: The shard that advances the global step (TF: the PS that holds ``global_step``).
 GLOBAL_STEP_SHARD = 0
 

@@ -1,0 +1,203 @@
+"""``qps train``: run a whole training job locally (:mod:`workers.launcher`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+import signal
+import sys
+from typing import Any
+
+import click
+
+from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
+
+#: the examples ``--example`` names: option defaults for each
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "digits": {
+        "model": "mlp:64,128,10",
+        "data": "digits",
+        "batch_size": 64,
+        "steps": 1500,
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+    },
+}
+
+#: options a --config TOML file may set (its keys, with '-' or '_')
+CONFIG_KEYS = {
+    "example", "ps", "workers", "mode", "max_staleness", "model", "data", "batch_size",
+    "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
+    "checkpoint_dir", "checkpoint_every", "log_every",
+}  # fmt: skip
+
+
+def _load_config(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # a dependency on Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}", EXIT_USAGE) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise CliError(f"{path} is not valid TOML: {exc}", EXIT_USAGE) from exc
+    table = raw.get("train", raw)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in CONFIG_KEYS:
+            raise CliError(
+                f"{path}: unknown key {key!r} (known: {', '.join(sorted(CONFIG_KEYS))})",
+                EXIT_USAGE,
+            )
+        out["learning_rate" if name == "lr" else name] = value
+    return out
+
+
+@click.command(name="train")
+@click.option(
+    "--example",
+    type=click.Choice(sorted(EXAMPLES)),
+    default="digits",
+    show_default=True,
+    help="A built-in example: its model, data and hyper-parameters are the defaults.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A TOML file of these options (keys as the long option names, e.g. "
+    "workers = 3, max-staleness = 2), optionally under [train]. Flags given on the "
+    "command line win.",
+)
+@click.option("--ps", "num_shards", type=click.IntRange(min=1), default=None, help="PS shards [2].")
+@click.option(
+    "--workers", "num_workers", type=click.IntRange(min=1), default=None, help="Workers [3]."
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["async", "ssp", "sync"]),
+    default=None,
+    help="async: every gradient applied on arrival (TF's default) [async]; ssp: bounded "
+    "staleness, see --max-staleness; sync: SyncReplicasOptimizer (not available yet).",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=None,
+    help="ssp: how many steps a worker may run ahead of the slowest one [2].",
+)
+@click.option("--model", default=None, help="NAME:OPTIONS (see `qps worker --help`).")
+@click.option("--data", default=None, help="digits, a .npz file, or queue:NAME.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None)
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps per worker.")
+@click.option("--optimizer", default=None, help="sgd, momentum, adagrad, adam, rmsprop, ftrl.")
+@click.option("--lr", "--learning-rate", "learning_rate", type=float, default=None)
+@click.option("--seed", type=int, default=None, help="Worker I draws with default_rng(seed + I).")
+@url_option(
+    "Redis URL of the job. Default: a private server started for this run and stopped after it."
+)
+@click.option(
+    "--container",
+    default=None,
+    help="The job's container (default: a fresh train-<time>-<random> one).",
+)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=None)
+@click.option("--log-every", type=click.IntRange(min=1), default=None)
+@click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
+@json_option
+def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
+    """Train a model with parameter servers on this machine: one command starts a
+    Redis server (or uses --url), the PS shards and the workers as separate processes,
+    shows progress, and prints the final metrics.
+
+    `qps train` runs the digits example: an MLP 64-128-10 on scikit-learn's digits,
+    2 PS shards, 3 asynchronous workers of 1,500 steps each, SGD with learning rate
+    0.05. Every role's log is streamed with its name in front; the progress line shows
+    the global step, examples/s and the loss. When the workers are done the job is
+    marked finished, the shards drain their queues and exit, and the test accuracy,
+    global step, examples/s and staleness (p50/p99, in applied updates) are printed.
+
+    Ctrl-C stops every role (SIGTERM, then SIGKILL after 10 s): nothing is left
+    running. A worker that crashes does not stop an asynchronous job; a shard that
+    fails stops it (exit status 1).
+    """
+    from workers.launcher import TrainConfig, run_job
+
+    settings: dict[str, Any] = {}
+    if config_path:
+        settings.update(_load_config(config_path))
+    example = flags.pop("example")
+    if config_path is None or "example" not in settings:
+        settings["example"] = example
+    preset = EXAMPLES[settings.pop("example")]
+    given = {k: v for k, v in flags.items() if v is not None}
+    merged = {**preset, **settings, **given}
+    mode = merged.pop("mode", "async")
+    staleness = merged.pop("max_staleness", None)
+    if mode == "sync":
+        raise CliError(
+            "--mode sync (SyncReplicasOptimizer) is not available yet: use async or ssp",
+            EXIT_USAGE,
+        )
+    if mode == "ssp":
+        staleness = 2 if staleness is None else staleness
+    elif staleness is not None:
+        raise CliError("--max-staleness needs --mode ssp", EXIT_USAGE)
+    merged.setdefault("num_shards", merged.pop("ps", 2))
+    merged.setdefault("num_workers", merged.pop("workers", 3))
+    merged.pop("ps", None)
+    merged.pop("workers", None)
+    if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
+        raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
+    cfg = TrainConfig(max_staleness=staleness, **merged)
+    tty = sys.stderr.isatty() and not json
+
+    def emit(line: str) -> None:
+        if quiet and line.startswith("["):
+            return
+        if tty:
+            click.echo("\r\033[K", nl=False, err=True)
+        click.echo(line, err=True)
+
+    def progress(line: str) -> None:
+        if tty:
+            click.echo(f"\r\033[K{line}", nl=False, err=True)
+
+    async def main() -> Any:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            return await run_job(cfg, emit, progress if tty else None, stop)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    result = run_async(main())
+    if tty:
+        click.echo("\r\033[K", nl=False, err=True)
+    if json:
+        click.echo(jsonlib.dumps(result.as_dict(), indent=2))
+    else:
+        acc = "-" if result.test_accuracy is None else f"{result.test_accuracy:.4f}"
+        p50 = "-" if result.staleness_p50 is None else str(result.staleness_p50)
+        p99 = "-" if result.staleness_p99 is None else str(result.staleness_p99)
+        click.echo(
+            f"{result.stopped}: test accuracy {acc}, global step {result.global_step:,}, "
+            f"{result.examples:,} examples in {result.seconds:.1f} s "
+            f"({result.examples_per_second:,.0f} examples/s), staleness p50 {p50} / p99 {p99}"
+        )
+        if result.failed:
+            click.echo(
+                "roles that failed: "
+                + ", ".join(f"{k} (status {v})" for k, v in result.failed.items())
+            )
+    if result.exit_code:
+        sys.exit(result.exit_code)

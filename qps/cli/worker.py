@@ -1,0 +1,149 @@
+"""``qps worker``: run one training worker (:mod:`workers.worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json as jsonlib
+import logging
+import signal
+
+import click
+
+from qps.cli import EXIT_USAGE, CliError, container_option, json_option, run_async, url_option
+
+MODEL_HELP = (
+    "The model, NAME:OPTIONS: softmax:IN,CLASSES; mlp:IN,HIDDEN...,CLASSES; "
+    "embbag:tables=...,dim=...; py:MODULE.ATTR[:OPTIONS] for a model of your own "
+    "(see docs/models.md)."
+)
+DATA_HELP = (
+    "Where batches come from: 'digits' (scikit-learn's digits, W4's split; each worker "
+    "draws its own minibatches), a .npz file with arrays x and y, or queue:NAME (a shared "
+    "input queue filled by `qps feed`; the worker stops when it is closed and empty)."
+)
+
+
+def _info_logs(ctx: click.Context) -> None:
+    parent = ctx.parent
+    if parent is not None and parent.get_parameter_source("log_level") in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    ):
+        logging.getLogger("qps.worker").setLevel(logging.INFO)  # a role says what it does
+
+
+@click.command(name="worker")
+@click.option("--index", type=click.IntRange(min=0), required=True, help="This worker's index I.")
+@click.option(
+    "--num-workers", type=click.IntRange(min=1), required=True, help="Workers in the job (W)."
+)
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="PS shards in the job; the chief records it if no shard has yet.",
+)
+@click.option("--model", default="mlp:64,128,10", show_default=True, help=MODEL_HELP)
+@click.option("--data", default="digits", show_default=True, help=DATA_HELP)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=0),
+    default=1500,
+    show_default=True,
+    help="This worker's steps (0: no limit; stop at the end of input or --until-global-step).",
+)
+@click.option(
+    "--until-global-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Stop once the job's global step reaches this.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Worker I draws its minibatches with default_rng(seed + I).",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Bounded staleness (SSP): wait while more than this many steps ahead of the "
+    "slowest running worker. Default: asynchronous, no bound.",
+)
+@click.option("--log-every", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The chief restores the newest checkpoint here into an empty container, and "
+    "writes checkpoints here with --checkpoint-every.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    help="The chief saves a checkpoint every this many global steps (0: never).",
+)
+@click.option(
+    "--ready-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds a worker waits for the chief to make the model ready.",
+)
+@click.option(
+    "--finish-job/--no-finish-job",
+    default=True,
+    show_default=True,
+    help="Whether the last worker to finish marks the PS job finished (the shards then "
+    "drain their queues and exit).",
+)
+@url_option()
+@container_option
+@json_option
+@click.pass_context
+def worker(ctx: click.Context, /, json: bool, **opts: object) -> None:
+    """Run training worker I of W (TF 1.x between-graph replication).
+
+    Worker 0 is the chief: it initialises the variables (or restores the newest
+    checkpoint of --checkpoint-dir into an empty container) and marks the model ready;
+    the others wait for it, blocked in Redis. Each step takes a batch, reads the
+    parameters straight from Redis, computes the gradients (NumPy, or CuPy on a GPU)
+    and pushes them to the PS shards (`qps ps`), which apply them. The next batch is
+    fetched while a step computes, and the push and the next pull travel together.
+
+    It stops after --steps steps, at --until-global-step, at the end of its input, or
+    on SIGTERM/Ctrl-C after the step in hand; then it records itself done (the chief
+    prints the test accuracy of the digits example) and exits 0. Progress is logged
+    every --log-every steps and published for `qps top`.
+    """
+    from workers.worker import WorkerConfig, run_worker
+
+    _info_logs(ctx)
+    steps = opts.pop("steps")
+    cfg = WorkerConfig(steps=None if steps == 0 else steps, **opts)  # type: ignore[arg-type]
+    try:
+        cfg.check()
+    except Exception as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+
+    async def main() -> object:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            return await run_worker(cfg, stop)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    result = run_async(main())
+    if json:
+        data = dataclasses.asdict(result)  # type: ignore[call-overload]
+        data.pop("losses", None)
+        click.echo(jsonlib.dumps(data, indent=2))

@@ -1,0 +1,117 @@
+"""`qps train` end to end: real processes (a private server, PS shards, workers) on
+the digits example, in asynchronous and bounded-staleness mode; Ctrl-C and a killed
+worker; and no process left behind in any case (checked in /proc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = str(Path(__file__).resolve().parents[1])
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _train(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("QPS_REDIS_URL", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "qps.cli.main", "train", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _processes_of(container: str) -> list[str]:
+    """Command lines of live processes that name ``container``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        cmd = raw.replace(b"\0", b" ").decode(errors="replace")
+        if container in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def _container() -> str:
+    return f"t-{secrets.token_hex(4)}"
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 120) -> list[str]:
+    """Read stderr lines until one contains ``needle``; return them."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no line with {needle!r}:\n" + "".join(lines[-30:]))
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_digits_trains_and_every_role_exits(mode: str) -> None:
+    c = _container()
+    args = ["--ps", "2", "--workers", "2", "--steps", "300", "--json", "--container", c]
+    if mode == "ssp":
+        args += ["--mode", "ssp", "--max-staleness", "1"]
+    proc = _train(*args)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["stopped"] == "finished" and result["failed"] == {}
+    assert result["global_step"] == 600  # every push applied exactly once
+    assert result["examples"] == 600 * 64
+    assert result["test_accuracy"] >= 0.9, result
+    assert result["staleness_p99"] is not None
+    assert "[worker1]" in err and "[ps1]" in err  # the roles' logs, prefixed
+    assert _processes_of(c) == []
+
+
+def test_ctrl_c_stops_every_role() -> None:
+    c = _container()
+    proc = _train("--ps", "1", "--workers", "2", "--steps", "1000000", "--container", c,
+                  "--log-every", "20")  # fmt: skip
+    _wait_for_line(proc, "[worker1]")
+    _wait_for_line(proc, "step 20,")  # training is under way
+    assert len(_processes_of(c)) >= 3  # the shard and both workers
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert _processes_of(c) == []
+
+
+def test_a_killed_worker_does_not_stop_async_training() -> None:
+    c = _container()
+    proc = _train("--ps", "1", "--workers", "3", "--steps", "400", "--json", "--container", c,
+                  "--log-every", "20")  # fmt: skip
+    _wait_for_line(proc, "worker2: step 20,")
+    victims = [p for p in _processes_of(c) if "--index 2 " in p]
+    assert len(victims) == 1, _processes_of(c)
+    os.kill(int(victims[0].split(":")[0]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["failed"] == {"worker2": -signal.SIGKILL}
+    assert result["stopped"] == "finished"
+    assert 800 + 20 <= result["global_step"] < 1200  # the others ran their 400 steps
+    assert result["test_accuracy"] >= 0.9, result
+    assert _processes_of(c) == []

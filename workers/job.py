@@ -1,0 +1,185 @@
+"""What the roles of a training job agree on beyond the PS (see :mod:`qps.ps.control`):
+the model-ready mark, each worker's published status, who has finished, and the step
+table of bounded-staleness training. All of it lives in the job's container, under
+``qps:{<container>}:job:...`` (one hash tag: one Redis Cluster slot), so ``qps
+container reset`` removes it with the rest of the job.
+
+Waiting never polls: a waiter blocks in ``BLPOP`` on a wake list of its own that the
+event it waits for pushes to; the block is bounded (:data:`WAKE_SECONDS`) only so that a
+waiter re-checks its condition if a wake-up was lost (a waiter that started blocking
+after the push: the condition is always checked before blocking).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from qps import keys
+from qps.errors import DeadlineExceededError
+from qps.transport import Client, map_errors
+
+__all__ = [
+    "WAKE_SECONDS",
+    "finish_worker",
+    "finished_workers",
+    "is_ready",
+    "mark_ready",
+    "publish_status",
+    "read_statuses",
+    "ssp_advance",
+    "ssp_min_step",
+    "ssp_wait",
+    "wait_ready",
+]
+
+#: the longest a waiter blocks before it checks its condition again
+WAKE_SECONDS = 1.0
+
+
+def _key(container: str, what: str) -> str:
+    return keys.container_prefix(keys.check_container(container)) + "job:" + what
+
+
+# -- the model is ready ---------------------------------------------------------------
+
+
+async def mark_ready(
+    client: Client, container: str, num_workers: int, info: Mapping[str, Any]
+) -> None:
+    """The chief has initialised (or restored) every variable: record it with ``info``
+    (JSON: e.g. the model spec and where the values came from) and wake the other
+    workers (one token each on their wake lists)."""
+    ready = _key(container, "ready")
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=True)
+        pipe.set(ready, json.dumps(dict(info), sort_keys=True))
+        for k in range(num_workers):
+            wake = _key(container, f"ready:wake:{k}")
+            pipe.rpush(wake, 1)
+            pipe.ltrim(wake, -1, -1)
+        await pipe.execute()
+
+
+async def is_ready(client: Client, container: str) -> dict[str, Any] | None:
+    """The chief's ready record, or None while the model is not ready."""
+    with map_errors():
+        raw = await client.commands.get(_key(container, "ready"))
+    return None if raw is None else dict(json.loads(raw))
+
+
+async def wait_ready(
+    client: Client, container: str, index: int, timeout: float | None = None
+) -> dict[str, Any]:
+    """Block until the chief marked the model ready; return its record.
+
+    Raises:
+        DeadlineExceededError: ``timeout`` seconds passed first.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    wake = _key(container, f"ready:wake:{index}")
+    while (info := await is_ready(client, container)) is None:
+        block = WAKE_SECONDS
+        if deadline is not None:
+            block = min(block, deadline - time.monotonic())
+            if block <= 0:
+                raise DeadlineExceededError(
+                    f"the chief did not mark the model of container '{container}' ready "
+                    f"within {timeout} s"
+                )
+        with map_errors():
+            await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+    return info
+
+
+# -- worker status ----------------------------------------------------------------------
+
+
+async def publish_status(
+    client: Client, container: str, worker: str, status: Mapping[str, Any]
+) -> None:
+    """Publish ``worker``'s status (JSON; ``time`` is added) for ``qps job status``/``top``."""
+    record = {**status, "time": time.time()}
+    with map_errors():
+        await client.commands.hset(_key(container, "workers"), worker, json.dumps(record))
+
+
+async def read_statuses(client: Client, container: str) -> dict[str, dict[str, Any]]:
+    """Every worker's last published status, by worker name."""
+    with map_errors():
+        raw = await client.commands.hgetall(_key(container, "workers"))
+    return {(k.decode() if isinstance(k, bytes) else str(k)): json.loads(v) for k, v in raw.items()}
+
+
+async def finish_worker(client: Client, container: str, worker: str) -> int:
+    """Record that ``worker`` is done; return how many workers are done (each counted
+    once, whatever its restarts)."""
+    done = _key(container, "done")
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=True)
+        pipe.sadd(done, worker)
+        pipe.scard(done)
+        _, n = await pipe.execute()
+    return int(n)
+
+
+async def finished_workers(client: Client, container: str) -> set[str]:
+    """The workers that have recorded they are done."""
+    with map_errors():
+        got = await client.commands.smembers(_key(container, "done"))
+    return {m.decode() if isinstance(m, bytes) else str(m) for m in got}
+
+
+# -- bounded staleness (SSP) ------------------------------------------------------------------
+
+
+async def ssp_advance(
+    client: Client, container: str, worker: str, step: int, workers: list[str]
+) -> None:
+    """Record that ``worker`` has completed ``step`` steps, and wake the other workers
+    (``workers``: every worker's name) so that one waiting on the slowest re-checks."""
+    table = _key(container, "ssp")
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=True)
+        pipe.zadd(table, {worker: step})
+        for other in workers:
+            if other != worker:
+                wake = _key(container, f"ssp:wake:{other}")
+                pipe.rpush(wake, 1)
+                pipe.ltrim(wake, -1, -1)
+        await pipe.execute()
+
+
+async def ssp_min_step(client: Client, container: str, workers: list[str]) -> int:
+    """The smallest step recorded by any of ``workers`` (0 for one with no record)."""
+    with map_errors():
+        scores = await client.commands.zmscore(_key(container, "ssp"), workers)
+    return int(min((s or 0) for s in scores)) if scores else 0
+
+
+async def ssp_wait(
+    client: Client,
+    container: str,
+    worker: str,
+    step: int,
+    max_staleness: int,
+    workers: list[str],
+    done: set[str] | None = None,
+) -> int:
+    """Block while ``worker``, about to run ``step``, is more than ``max_staleness``
+    steps ahead of the slowest worker still running (SSP: a worker at most k steps ahead
+    of the slowest). Workers in ``done`` (refreshed from the job's record while
+    waiting) no longer hold anyone back. Returns how long it waited, in ms."""
+    start = time.monotonic()
+    wake = _key(container, f"ssp:wake:{worker}")
+    while True:
+        finished = await finished_workers(client, container)
+        if done is not None:
+            finished |= done
+        others = [w for w in workers if w not in finished and w != worker]
+        if not others or step - await ssp_min_step(client, container, others) <= max_staleness:
+            return int((time.monotonic() - start) * 1000)
+        with map_errors():
+            await client.blocking.blpop([wake], timeout=WAKE_SECONDS)

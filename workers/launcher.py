@@ -1,0 +1,322 @@
+"""``qps train``: a whole training job on this machine, every role its own process.
+
+:func:`run_job` starts (or reuses, with ``url``) a Redis server, records the PS job
+(shards, optimizer) in a fresh container, then starts ``num_shards`` ``qps ps``
+processes and ``num_workers`` ``qps worker`` processes, and watches them:
+
+* each child's output is streamed with a role prefix (``[worker1] ...``);
+* a progress line shows the global step, examples/s and the chief's last loss, read
+  from the job's published status in Redis;
+* when every worker has exited (a crashed worker does not stop an asynchronous job:
+  the others carry on), the job is marked finished; the shards drain their queues and
+  exit 0; the final metrics are printed (test accuracy, global step, examples/s,
+  staleness p50/p99 from the shards' statistics);
+* a shard that fails, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
+  after a grace period): nothing is left running; a server started here is stopped.
+
+Exit status: 0 when the job ran to its end, 1 when a shard failed or no worker
+finished, 130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import qps
+from qps.optimizers import make_optimizer
+from qps.ps import control
+from workers import job
+from workers.data import load_digits
+from workers.models import build_model
+
+__all__ = ["JobResult", "TrainConfig", "run_job"]
+
+#: how long roles get to exit after SIGTERM before SIGKILL
+GRACE_SECONDS = 10.0
+
+
+@dataclass
+class TrainConfig:
+    """What ``qps train`` takes (see its ``--help``)."""
+
+    num_shards: int = 2
+    num_workers: int = 3
+    model: str = "mlp:64,128,10"
+    data: str = "digits"
+    batch_size: int = 64
+    steps: int = 1500
+    optimizer: str = "sgd"
+    learning_rate: float = 0.05
+    max_staleness: int | None = None
+    seed: int = 1
+    url: str | None = None
+    container: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    log_every: int = 100
+    extra_worker_args: list[str] = field(default_factory=list)
+
+    def worker_args(self, index: int, url: str, container: str) -> list[str]:
+        args = [
+            "worker", "--index", str(index), "--num-workers", str(self.num_workers),
+            "--num-shards", str(self.num_shards), "--model", self.model, "--data", self.data,
+            "--batch-size", str(self.batch_size), "--steps", str(self.steps),
+            "--seed", str(self.seed), "--log-every", str(self.log_every),
+            "--url", url, "--container", container, "--no-finish-job",
+        ]  # fmt: skip
+        if self.max_staleness is not None:
+            args += ["--max-staleness", str(self.max_staleness)]
+        if self.checkpoint_dir:
+            args += ["--checkpoint-dir", self.checkpoint_dir]
+            if self.checkpoint_every:
+                args += ["--checkpoint-every", str(self.checkpoint_every)]
+        return args + self.extra_worker_args
+
+    def shard_args(self, index: int, url: str, container: str) -> list[str]:
+        return [
+            "ps", "--shard", str(index), "--num-shards", str(self.num_shards),
+            "--optimizer", self.optimizer, "--lr", str(self.learning_rate),
+            "--url", url, "--container", container,
+        ]  # fmt: skip
+
+
+@dataclass
+class JobResult:
+    """What a finished job reports."""
+
+    container: str = ""
+    exit_code: int = 0
+    seconds: float = 0.0
+    global_step: int = 0
+    examples: int = 0
+    test_accuracy: float | None = None
+    last_loss: float | None = None
+    staleness_p50: int | None = None
+    staleness_p99: int | None = None
+    failed: dict[str, int] = field(default_factory=dict)  # role -> exit code
+    stopped: str = ""
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "container": self.container,
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "global_step": self.global_step,
+            "examples": self.examples,
+            "examples_per_s": round(self.examples_per_second, 1),
+            "test_accuracy": self.test_accuracy,
+            "last_loss": self.last_loss,
+            "staleness_p50": self.staleness_p50,
+            "staleness_p99": self.staleness_p99,
+            "failed": self.failed,
+            "stopped": self.stopped,
+        }
+
+
+class _Role:
+    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
+        self.name = name
+        self.proc = proc
+        self.pump: asyncio.Task[None] | None = None
+
+
+async def _pump(role: _Role, emit: Callable[[str], None]) -> None:
+    stream = role.proc.stdout
+    assert stream is not None
+    while line := await stream.readline():
+        emit(f"[{role.name}] {line.decode(errors='replace').rstrip()}")
+
+
+async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Role:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "qps.cli.main",
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # our signals only: Ctrl-C reaches us, we stop them
+    )
+    role = _Role(name, proc)
+    role.pump = asyncio.create_task(_pump(role, emit))
+    return role
+
+
+async def _stop_all(roles: list[_Role], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM every role still running, SIGKILL what is left after ``grace``."""
+    live = [r for r in roles if r.proc.returncode is None]
+    for r in live:
+        with contextlib.suppress(ProcessLookupError):
+            r.proc.send_signal(signal.SIGTERM)
+    if live:
+        await asyncio.wait([asyncio.ensure_future(r.proc.wait()) for r in live], timeout=grace)
+        for r in live:
+            if r.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    r.proc.kill()
+        await asyncio.gather(*(r.proc.wait() for r in live))
+    for r in roles:
+        if r.pump is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.pump, 5)
+
+
+async def _progress(client: qps.Client, container: str) -> tuple[int, int, float | None]:
+    """(global step, examples so far, chief's last loss) from the job's status."""
+    statuses = await job.read_statuses(client, container)
+    examples = sum(int(s.get("examples", 0)) for n, s in statuses.items() if n.startswith("worker"))
+    loss = statuses.get("worker0", {}).get("loss")
+    step = await control.global_step_counter(client, container).get() if statuses else 0
+    return step, examples, loss
+
+
+async def run_job(
+    cfg: TrainConfig,
+    emit: Callable[[str], None],
+    progress: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> JobResult:
+    """Run the whole job (see the module docstring). ``emit`` prints one line of role
+    output or news; ``progress`` shows the progress line (None: no progress line);
+    ``stop`` set (Ctrl-C): stop every role and return with exit code 130."""
+    server = None
+    url = cfg.url
+    if url is None:
+        server = qps.embedded.EmbeddedServer()
+        await asyncio.to_thread(server.start)
+        url = server.url
+    container = cfg.container or f"train-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    result = JobResult(container=container)
+    roles: list[_Role] = []
+    stop = stop or asyncio.Event()
+    start = time.monotonic()
+    try:
+        async with await qps.connect(url) as client:
+            optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
+            await control.configure(client, container, cfg.num_shards, optimizer)
+            emit(
+                f"qps train: container {container}: {cfg.num_shards} PS shard(s), "
+                f"{cfg.num_workers} worker(s), model {cfg.model}, {cfg.optimizer} "
+                f"lr {cfg.learning_rate}, {cfg.steps} steps per worker"
+                + (f", max staleness {cfg.max_staleness}" if cfg.max_staleness is not None else "")
+            )
+            shards = [
+                await _start(f"ps{i}", cfg.shard_args(i, url, container), emit)
+                for i in range(cfg.num_shards)
+            ]
+            workers = [
+                await _start(f"worker{k}", cfg.worker_args(k, url, container), emit)
+                for k in range(cfg.num_workers)
+            ]
+            roles = shards + workers
+            result.exit_code = await _watch(
+                client, container, shards, workers, result, progress, stop, emit
+            )
+            result.seconds = time.monotonic() - start
+            result.global_step, result.examples, result.last_loss = await _progress(
+                client, container
+            )
+            if result.exit_code == 0:
+                result.test_accuracy = await evaluate(client, container, cfg)
+            total: dict[int, int] = {}
+            for i in range(cfg.num_shards):
+                st = await control.shard_status(client, container, i)
+                for hist in st.staleness.values():
+                    for b, n in hist.items():
+                        total[b] = total.get(b, 0) + n
+            result.staleness_p50 = control.staleness_percentile(total, 0.5)
+            result.staleness_p99 = control.staleness_percentile(total, 0.99)
+    finally:
+        await _stop_all(roles)
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+    return result
+
+
+async def evaluate(client: qps.Client, container: str, cfg: TrainConfig) -> float | None:
+    """Test accuracy of the job's final parameters (the digits example; None for data
+    without a test split)."""
+    if cfg.data != "digits":
+        return None
+    model = build_model(cfg.model)
+    names = [p.name for p in model.params_spec() if not p.sparse]
+    if len(names) != len(model.params_spec()):
+        return None
+    ds = await asyncio.to_thread(load_digits)
+    async with qps.Session(client=client, container=container) as sess:
+        got = await sess.pull(names)
+    params = {n: v.value for n, v in got.items()}
+    return float(model.accuracy(params, (ds.x_test, ds.y_test)))
+
+
+async def _watch(
+    client: qps.Client,
+    container: str,
+    shards: list[_Role],
+    workers: list[_Role],
+    result: JobResult,
+    progress: Callable[[str], None] | None,
+    stop: asyncio.Event,
+    emit: Callable[[str], None],
+) -> int:
+    """Wait for the workers, then finish the job and wait for the shards."""
+    waits = {asyncio.ensure_future(r.proc.wait()): r for r in shards + workers}
+    stopping = asyncio.ensure_future(stop.wait())
+    running_workers = set(workers)
+    finished = False
+    t0 = time.monotonic()
+    while waits:
+        done, _ = await asyncio.wait(
+            [*waits, stopping], timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+        )
+        if stopping in done:
+            result.stopped = "interrupted"
+            emit("qps train: stopping every role")
+            return 130
+        for fut in done:
+            role = waits.pop(fut)
+            code = role.proc.returncode
+            if code != 0:
+                result.failed[role.name] = int(code if code is not None else -1)
+                emit(f"qps train: {role.name} exited with status {code}")
+            if role in running_workers:
+                running_workers.discard(role)
+            elif code != 0 and not finished:  # a shard failed: the job cannot go on
+                result.stopped = f"{role.name} failed"
+                return 1
+        if not running_workers and not finished:
+            finished = True
+            if len(result.failed) >= len(workers):
+                result.stopped = "every worker failed"
+                return 1
+            await control.mark_finished(client, container)
+        if progress is not None:
+            step, examples, loss = await _progress(client, container)
+            rate = examples / max(time.monotonic() - t0, 1e-9)
+            loss_text = "-" if loss is None else f"{loss:.4f}"
+            progress(
+                f"global step {step:,}  examples {examples:,}  {rate:,.0f} examples/s  "
+                f"loss {loss_text}"
+            )
+    stopping.cancel()
+    if any(r.name in result.failed for r in shards):
+        result.stopped = "a shard failed"
+        return 1
+    result.stopped = "finished"
+    return 0

@@ -1,0 +1,397 @@
+"""The worker role (``qps worker``): TF 1.x's between-graph replicated training.
+
+Worker ``I`` of ``W`` opens its own :class:`qps.Session` in the job's container and
+loops: take a batch, read the parameters straight from Redis (the PS processes are not
+involved), compute the loss and gradients, push one gradient message per PS shard.
+
+* **Chief** (worker 0) initialises the variables (or restores the newest checkpoint of
+  ``checkpoint_dir`` into an empty container) and marks the model ready; the others
+  block until it has (:func:`workers.job.wait_ready`). While training it writes a
+  checkpoint every ``checkpoint_every`` global steps, and at the end it evaluates the
+  final parameters on the test split.
+* **Input**: ``data="digits"`` or a ``.npz`` path: each worker holds the data and draws
+  W4's minibatches (worker ``k``: a fresh permutation per epoch from
+  ``default_rng(seed + k)``); ``data="queue:NAME"``: batches are dequeued from a shared
+  queue (fed by ``qps feed``) until it is closed and empty.
+* **Overlap**: while step ``t`` computes, the batch of step ``t + 1`` is fetched; the
+  push of ``t`` and the pull for ``t + 1`` travel together. The math runs on a thread
+  (NumPy releases the GIL) for models above :data:`INLINE_PARAMS` parameters, so the
+  event loop stays free; a tiny model computes inline, where a thread hop would cost
+  more than the math.
+* **Modes**: asynchronous (TF's default: every gradient is applied on arrival), or
+  bounded staleness (``max_staleness=k``, SSP: a worker more than ``k`` steps ahead of
+  the slowest running worker waits, blocked in Redis). Staleness in asynchronous mode
+  is bounded by the shards' gradient queues, whose capacity makes a push wait.
+* **End**: after ``steps`` steps, when the global step reaches ``until_global_step``,
+  when the input queue ends, or on SIGTERM (after the step in hand). The last worker to
+  finish marks the PS job finished, so the shards drain their queues and exit 0.
+
+Each worker publishes its status (step, loss, examples/s, state) in the container for
+``qps job status``/``qps top`` and logs progress every ``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import qps
+from qps import checkpoint
+from qps.errors import CancelledError, InvalidArgumentError, NotFoundError, OutOfRangeError
+from qps.ps import control
+from workers import job
+from workers.data import load_digits, load_xy, minibatches, take
+from workers.models import Model, Rows, build_model, grads_to_host
+
+__all__ = ["INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
+
+log = logging.getLogger("qps.worker")
+
+#: models with at most this many parameters compute on the event loop's thread
+INLINE_PARAMS = 200_000
+
+
+@dataclass
+class WorkerConfig:
+    """What ``qps worker`` takes (see its ``--help``)."""
+
+    index: int
+    num_workers: int
+    num_shards: int | None = None
+    model: str = "mlp:64,128,10"
+    data: str = "digits"
+    batch_size: int = 64
+    steps: int | None = 1500
+    until_global_step: int | None = None
+    seed: int = 1
+    url: str | None = None
+    container: str = "default"
+    max_staleness: int | None = None
+    log_every: int = 100
+    ready_timeout: float = 600.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    evaluate: bool = True
+    finish_job: bool = True
+
+    def check(self) -> None:
+        """Raises InvalidArgumentError for settings that cannot work."""
+        if self.num_workers < 1 or not 0 <= self.index < self.num_workers:
+            raise InvalidArgumentError(
+                f"worker index {self.index} is not in [0, {self.num_workers}) workers"
+            )
+        if self.batch_size < 1:
+            raise InvalidArgumentError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.steps is not None and self.steps < 0:
+            raise InvalidArgumentError(f"steps must be >= 0, got {self.steps}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidArgumentError(f"max staleness must be >= 0, got {self.max_staleness}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise InvalidArgumentError("checkpoint_every needs a checkpoint directory")
+
+    @property
+    def name(self) -> str:
+        return f"worker{self.index}"
+
+
+@dataclass
+class WorkerResult:
+    """What one worker did."""
+
+    steps: int = 0
+    examples: int = 0
+    seconds: float = 0.0
+    last_loss: float = math.nan
+    global_step: int = 0
+    test_accuracy: float | None = None
+    stopped_by: str = ""
+    waited_ms: int = 0  # time spent waiting on slower workers (SSP)
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Input:
+    """Batches for one worker: local minibatches, or a shared input queue."""
+
+    def __init__(self, cfg: WorkerConfig, sess: qps.Session) -> None:
+        self.cfg = cfg
+        self.sess = sess
+        self.test: tuple[np.ndarray, np.ndarray] | None = None
+        self.queue: Any = None
+        self._local: Any = None
+
+    async def open(self) -> None:
+        data = self.cfg.data
+        if data.startswith("queue:"):
+            self.queue = await self.sess.queue(data[len("queue:") :])
+            return
+        if data == "digits":
+            ds = await asyncio.to_thread(load_digits)
+            train = (ds.x_train, ds.y_train)
+            self.test = (ds.x_test, ds.y_test)
+        else:
+            train = load_xy(data)
+        rng = np.random.default_rng(self.cfg.seed + self.cfg.index)
+        order = minibatches(len(train[-1]), self.cfg.batch_size, rng)
+        self._local = (train, order)
+
+    async def next(self) -> tuple[np.ndarray, ...] | None:
+        """The next batch, or None at the end of the input."""
+        if self._local is not None:
+            train, order = self._local
+            return take(train, next(order))
+        try:
+            got = await self.queue.dequeue_up_to(self.cfg.batch_size)
+        except OutOfRangeError:
+            return None
+        return tuple(got) if isinstance(got, (list, tuple)) else (got,)
+
+
+class Worker:
+    """One worker process's training loop (use :func:`run_worker`)."""
+
+    def __init__(self, cfg: WorkerConfig, sess: qps.Session) -> None:
+        cfg.check()
+        self.cfg = cfg
+        self.sess = sess
+        self.model: Model = build_model(cfg.model)
+        spec = self.model.params_spec()
+        self.dense = [p.name for p in spec if not p.sparse]
+        self.sparse = [p.name for p in spec if p.sparse]
+        self.inline = sum(p.size for p in spec if not p.sparse) <= INLINE_PARAMS
+        self.names = [f"worker{k}" for k in range(cfg.num_workers)]
+        self.stop = asyncio.Event()
+        self.result = WorkerResult()
+
+    # -- set-up ------------------------------------------------------------------------
+    async def prepare(self) -> None:
+        """The chief initialises or restores the model; every worker then waits for it."""
+        cfg, client = self.cfg, self.sess.client
+        if cfg.index == 0:
+            how = await self._initialise()
+            await job.mark_ready(
+                client, cfg.container, cfg.num_workers, {"model": cfg.model, "from": how}
+            )
+            log.info("%s: model %s ready (%s)", cfg.name, cfg.model, how)
+        else:
+            log.info("%s: waiting for the chief to make the model ready", cfg.name)
+        info = await job.wait_ready(client, cfg.container, cfg.index, cfg.ready_timeout)
+        if info.get("model") != cfg.model:
+            raise InvalidArgumentError(
+                f"the job's model is {info.get('model')!r}, this worker was given {cfg.model!r}"
+            )
+
+    async def _initialise(self) -> str:
+        """Restore the newest checkpoint into an empty container, else create every
+        variable that does not exist yet (first creator wins: a restarted chief keeps
+        the trained values); then record the PS job's shard count if given."""
+        cfg, client = self.cfg, self.sess.client
+        how = ""
+        path = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        if path is not None:
+            if await checkpoint.container_is_empty(client, cfg.container):
+                info = await checkpoint.restore(self.sess, path)
+                how = f"restored {path} (global step {info.global_step})"
+            else:
+                log.warning(
+                    "%s: container '%s' is not empty: checkpoint %s not restored",
+                    cfg.name, cfg.container, path,
+                )  # fmt: skip
+        if not how:
+            existing = set(await self.sess.list_variables())
+            variables = self.model.variables(  # type: ignore[attr-defined]
+                np.random.default_rng(0), container=cfg.container, client=client
+            )
+            for var in variables.values():
+                await var.create()
+            fresh = [n for n in variables if n not in existing]
+            how = f"initialised {len(fresh)} variable(s)" if fresh else "kept the stored variables"
+        if cfg.num_shards is not None:
+            await control.configure(client, cfg.container, cfg.num_shards)
+        return how
+
+    # -- one step ------------------------------------------------------------------------
+    async def _pull(self, batch: tuple[np.ndarray, ...]) -> tuple[dict[str, Any], dict[str, int]]:
+        params: dict[str, Any] = {}
+        versions: dict[str, int] = {}
+        if self.dense:
+            got = await self.sess.pull(self.dense)
+            for name, val in got.items():
+                params[name] = val.value
+                versions[name] = val.version
+        if self.sparse:
+            needed = self.model.rows_needed(batch)
+            rows = await asyncio.gather(*(self.sess.pull_rows(t, needed[t]) for t in self.sparse))
+            for t, val in zip(self.sparse, rows):
+                params[t] = Rows(needed[t], val.value)
+                versions[t] = val.version
+        return params, versions
+
+    async def _compute(
+        self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
+    ) -> tuple[float, dict[str, Any]]:
+        if self.inline:
+            loss, grads = self.model.loss_and_grads(params, batch)
+        else:
+            loss, grads = await asyncio.to_thread(self.model.loss_and_grads, params, batch)
+        return float(loss), grads_to_host(grads)
+
+    async def _batches(self, source: _Input) -> AsyncGenerator[tuple[np.ndarray, ...], None]:
+        """Batches with the next one fetched while the current one is used."""
+        ahead = asyncio.ensure_future(source.next())
+        try:
+            while True:
+                batch = await ahead
+                if batch is None:
+                    return
+                ahead = asyncio.ensure_future(source.next())
+                yield batch
+        finally:
+            if not ahead.done():
+                ahead.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await ahead
+
+    # -- the loop ------------------------------------------------------------------------
+    async def train(self) -> WorkerResult:
+        cfg, sess, res = self.cfg, self.sess, self.result
+        source = _Input(cfg, sess)
+        await source.open()
+        res.global_step = await sess.global_step()
+        start = time.monotonic()
+        last_log, last_examples = start, 0
+        step = 0
+        next_ckpt = 0
+        if cfg.index == 0 and cfg.checkpoint_every:
+            next_ckpt = (res.global_step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+        batches = self._batches(source)
+        res.stopped_by = "end of input"
+        pulled: tuple[dict[str, Any], dict[str, int]] | None = None
+        try:
+            async for batch in batches:
+                if self.stop.is_set():
+                    res.stopped_by = "signal"
+                    break
+                if cfg.steps is not None and step >= cfg.steps:
+                    res.stopped_by = f"{cfg.steps} steps"
+                    break
+                if cfg.until_global_step is not None and res.global_step >= cfg.until_global_step:
+                    res.stopped_by = f"global step {cfg.until_global_step}"
+                    break
+                if cfg.max_staleness is not None:
+                    res.waited_ms += await job.ssp_wait(
+                        sess.client, cfg.container, cfg.name, step, cfg.max_staleness, self.names
+                    )
+                if pulled is None or self.sparse:
+                    pulled = await self._pull(batch)
+                params, versions = pulled
+                loss, grads = await self._compute(params, batch)
+                push = sess.push(grads, step=step, versions=versions)
+                if self.sparse:  # the next batch's rows are pulled with it
+                    await push
+                    pulled = None
+                else:  # the push and the next pull travel together
+                    _, pulled = await asyncio.gather(push, self._pull(batch))
+                step += 1
+                n = int(batch[-1].shape[0])
+                res.steps, res.examples, res.last_loss = step, res.examples + n, loss
+                res.losses.append(loss)
+                if cfg.max_staleness is not None:
+                    await job.ssp_advance(sess.client, cfg.container, cfg.name, step, self.names)
+                if step % cfg.log_every == 0:
+                    res.global_step = await sess.global_step()
+                    now = time.monotonic()
+                    rate = (res.examples - last_examples) / max(now - last_log, 1e-9)
+                    last_log, last_examples = now, res.examples
+                    log.info(
+                        "%s: step %d, global step %d, loss %.4f, %.0f examples/s",
+                        cfg.name, step, res.global_step, loss, rate,
+                    )  # fmt: skip
+                    await self._publish("training", rate)
+                    if next_ckpt and res.global_step >= next_ckpt:
+                        await self._checkpoint()
+                        next_ckpt = (
+                            res.global_step // cfg.checkpoint_every + 1
+                        ) * cfg.checkpoint_every
+        except CancelledError as exc:  # the job was finished under us
+            res.stopped_by = f"job finished ({exc})"
+        finally:
+            await batches.aclose()
+        res.seconds = time.monotonic() - start
+        res.global_step = await sess.global_step()
+        await self._publish("done", res.examples_per_second)
+        return res
+
+    async def _checkpoint(self) -> None:
+        assert self.cfg.checkpoint_dir
+        info = await checkpoint.save(self.sess, f"{self.cfg.checkpoint_dir}/model-{{step}}")
+        log.info("%s: checkpoint %s at global step %d", self.cfg.name, info.path, info.global_step)
+
+    async def _publish(self, state: str, rate: float) -> None:
+        res = self.result
+        await job.publish_status(
+            self.sess.client,
+            self.cfg.container,
+            self.cfg.name,
+            {
+                "state": state,
+                "step": res.steps,
+                "examples": res.examples,
+                "loss": None if math.isnan(res.last_loss) else res.last_loss,
+                "examples_per_s": rate,
+                "global_step": res.global_step,
+            },
+        )
+
+    async def finish(self) -> None:
+        """Record this worker done; the chief evaluates; the last one finishes the job."""
+        cfg, sess, res = self.cfg, self.sess, self.result
+        done = await job.finish_worker(sess.client, cfg.container, cfg.name)
+        if cfg.max_staleness is not None:
+            await job.ssp_advance(sess.client, cfg.container, cfg.name, res.steps, self.names)
+        if cfg.index == 0 and cfg.evaluate:
+            res.test_accuracy = await self.evaluate()
+            if res.test_accuracy is not None:
+                log.info("%s: test accuracy %.4f", cfg.name, res.test_accuracy)
+                await job.publish_status(
+                    sess.client, cfg.container, "eval", {"test_accuracy": res.test_accuracy}
+                )
+        if cfg.finish_job and done >= cfg.num_workers:
+            try:
+                await control.mark_finished(sess.client, cfg.container)
+                log.info("%s: last worker done: job marked finished", cfg.name)
+            except NotFoundError:
+                pass
+
+    async def evaluate(self) -> float | None:
+        """Test accuracy of the current parameters (None without a test split)."""
+        if self.cfg.data != "digits" or self.sparse:
+            return None
+        ds = await asyncio.to_thread(load_digits)
+        got = await self.sess.pull(self.dense)
+        params = {n: v.value for n, v in got.items()}
+        return float(self.model.accuracy(params, (ds.x_test, ds.y_test)))
+
+
+async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> WorkerResult:
+    """Run one worker to its end (see the module docstring); ``stop`` set: finish the
+    step in hand and stop (SIGTERM)."""
+    async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
+        w = Worker(cfg, sess)
+        if stop is not None:
+            w.stop = stop
+        await w.prepare()
+        await w.train()
+        await w.finish()
+        return w.result
