@@ -114,6 +114,8 @@ class WorkerResult:
     test_accuracy: float | None = None
     stopped_by: str = ""
     waited_ms: int = 0  # time spent waiting on slower workers (SSP)
+    started_at: float = 0.0  # wall clock (time.time()) of the first step
+    ended_at: float = 0.0  # and of the end of the last one
     losses: list[float] = field(default_factory=list)
 
     @property
@@ -270,6 +272,7 @@ class Worker:
         await source.open()
         res.global_step = await sess.global_step()
         start = time.monotonic()
+        res.started_at = time.time()
         last_log, last_examples = start, 0
         step = 0
         next_ckpt = 0
@@ -329,6 +332,7 @@ class Worker:
         finally:
             await batches.aclose()
         res.seconds = time.monotonic() - start
+        res.ended_at = time.time()
         res.global_step = await sess.global_step()
         await self._publish("done", res.examples_per_second)
         return res
@@ -351,6 +355,8 @@ class Worker:
                 "loss": None if math.isnan(res.last_loss) else res.last_loss,
                 "examples_per_s": rate,
                 "global_step": res.global_step,
+                "started_at": res.started_at,
+                "ended_at": res.ended_at,
             },
         )
 

@@ -1,0 +1,263 @@
+"""W4 train-async-small (../shared/WORKLOADS.md): qps against a minimal raw-Redis PS and
+single-process NumPy, measured in one run.
+
+* **qps**: ``workers.launcher.run_job`` with 1 PS shard and 2 workers of 1,500 steps
+  (``qps train --ps 1 --workers 2``), SGD 0.05, the digits MLP 64-128-10. T is from the
+  first worker's first step to the last worker's last step (wall clock, published by
+  the workers), so process start-up is not counted.
+* **raw**: one PS process and two worker processes with synchronous redis-py clients,
+  no qps code. Worker step: ``GET params`` -> NumPy gradient -> ``RPUSH grads`` (worker
+  id + gradient) -> ``BLPOP ack:<worker>``. PS: ``BLPOP grads`` -> apply -> ``SET
+  params`` -> ``RPUSH ack:<worker>``. T as for qps.
+* **numpy**: the same model, init and SGD in one process, 3,000 steps of the seed-1
+  minibatch stream.
+
+Metric: examples/s = 3,000 x 64 / T, and the test accuracy of the final parameters.
+A dedicated redis-server (TCP loopback, no persistence) serves qps and raw.
+
+    python bench/w4_train.py [--reps 3] [--threads 1|default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+STEPS = 1500
+WORKERS = 2
+BATCH = 64
+LR = np.float32(0.05)
+SIZES = [(64, 128), (128, 10)]
+
+
+# -- data and model, no qps code (the raw and numpy variants) ---------------------------------
+
+
+def digits() -> tuple[np.ndarray, ...]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=0)
+    sc = StandardScaler().fit(xtr)
+    return (
+        sc.transform(xtr).astype(np.float32),
+        ytr.astype(np.int64),
+        sc.transform(xte).astype(np.float32),
+        yte.astype(np.int64),
+    )
+
+
+def init() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = []
+    for fi, fo in SIZES:
+        w = (rng.standard_normal((fi, fo), np.float32) * np.sqrt(2 / fi)).astype(np.float32)
+        out += [w, np.zeros(fo, np.float32)]
+    return out
+
+
+def grads(p: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    w1, b1, w2, b2 = p
+    h = np.maximum(x @ w1 + b1, 0)
+    z = h @ w2 + b2
+    z -= z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    pr = e / e.sum(axis=1, keepdims=True)
+    pr[np.arange(len(y)), y] -= 1
+    dz = pr / len(y)
+    dh = (dz @ w2.T) * (h > 0)
+    return [x.T @ dh, dh.sum(0), h.T @ dz, dz.sum(0)]
+
+
+def accuracy(p: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+    w1, b1, w2, b2 = p
+    return float(((np.maximum(x @ w1 + b1, 0) @ w2 + b2).argmax(1) == y).mean())
+
+
+def batches(n: int, rng: np.random.Generator) -> Any:
+    while True:
+        perm = rng.permutation(n)
+        for i in range(n // BATCH):
+            yield perm[i * BATCH : (i + 1) * BATCH]
+
+
+def flat(ps: list[np.ndarray]) -> bytes:
+    return b"".join(np.ascontiguousarray(a, np.float32).tobytes() for a in ps)
+
+
+def unflat(buf: bytes) -> list[np.ndarray]:
+    out, off = [], 0
+    for fi, fo in SIZES:
+        for shape in ((fi, fo), (fo,)):
+            n = int(np.prod(shape))
+            out.append(np.frombuffer(buf, np.float32, n, off).reshape(shape))
+            off += n * 4
+    return out
+
+
+# -- numpy ----------------------------------------------------------------------------------
+
+
+def run_numpy() -> dict[str, Any]:
+    xtr, ytr, xte, yte = digits()
+    p = init()
+    order = batches(len(ytr), np.random.default_rng(1))
+    t0 = time.perf_counter()
+    for _ in range(STEPS * WORKERS):
+        idx = next(order)
+        for a, g in zip(p, grads(p, xtr[idx], ytr[idx])):
+            a -= LR * g
+    t = time.perf_counter() - t0
+    return {"seconds": t, "accuracy": accuracy(p, xte, yte)}
+
+
+# -- raw Redis PS ---------------------------------------------------------------------------
+
+
+def _raw_ps(url: str, ready: Any) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    p = init()
+    r.set("params", flat(p))
+    ready.set()
+    for _ in range(STEPS * WORKERS):
+        _, msg = r.blpop(["grads"])
+        wid, g = msg[:1], unflat(msg[1:])
+        for a, d in zip(p, g):
+            a -= LR * d
+        r.set("params", flat(p))
+        r.rpush(b"ack:" + wid, 1)
+
+
+def _raw_worker(url: str, k: int, ready: Any, out: Any) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    xtr, ytr, _, _ = digits()
+    order = batches(len(ytr), np.random.default_rng(1 + k))
+    wid = str(k).encode()
+    ready.wait()
+    start = time.time()
+    for _ in range(STEPS):
+        p = unflat(r.get("params"))
+        idx = next(order)
+        r.rpush("grads", wid + flat(grads(p, xtr[idx], ytr[idx])))
+        r.blpop([b"ack:" + wid])
+    out.put((start, time.time()))
+
+
+def run_raw(url: str) -> dict[str, Any]:
+    import redis
+
+    redis.Redis.from_url(url).flushall()
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Event(), ctx.Queue()
+    ps = ctx.Process(target=_raw_ps, args=(url, ready))
+    ws = [ctx.Process(target=_raw_worker, args=(url, k, ready, out)) for k in range(WORKERS)]
+    for proc in (ps, *ws):
+        proc.start()
+    spans = [out.get(timeout=600) for _ in ws]
+    for proc in (ps, *ws):
+        proc.join(60)
+    _, _, xte, yte = digits()
+    p = unflat(redis.Redis.from_url(url).get("params"))
+    t = max(e for _, e in spans) - min(s for s, _ in spans)
+    return {"seconds": t, "accuracy": accuracy(p, xte, yte)}
+
+
+# -- qps ------------------------------------------------------------------------------------
+
+
+def run_qps(url: str, rep: int) -> dict[str, Any]:
+    import redis
+
+    from workers import job
+    from workers.launcher import TrainConfig, run_job
+
+    redis.Redis.from_url(url).flushall()
+    container = f"w4-{rep}"
+    cfg = TrainConfig(num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container)
+
+    async def main() -> tuple[Any, dict[str, Any]]:
+        import qps
+
+        result = await run_job(cfg, lambda line: None)
+        async with await qps.connect(url) as client:
+            statuses = await job.read_statuses(client, container)
+        return result, statuses
+
+    result, statuses = asyncio.run(main())
+    if result.exit_code != 0:
+        raise RuntimeError(f"qps run failed: {result.as_dict()}")
+    ws = [s for n, s in statuses.items() if n.startswith("worker")]
+    t = max(s["ended_at"] for s in ws) - min(s["started_at"] for s in ws)
+    return {
+        "seconds": t,
+        "accuracy": result.test_accuracy,
+        "staleness_p50": result.staleness_p50,
+        "staleness_p99": result.staleness_p99,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", choices=["1", "default"], default="1",
+                    help="OPENBLAS_NUM_THREADS for every process (default 1)")  # fmt: skip
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.threads == "1":
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    import harness
+
+    server = harness.BenchServer().start()
+    where = server.describe()
+    try:
+        got: dict[str, list[dict[str, Any]]] = {"qps": [], "raw": [], "numpy": []}
+        for rep in range(args.reps):
+            got["numpy"].append(run_numpy())
+            got["raw"].append(run_raw(server.url))
+            got["qps"].append(run_qps(server.url, rep))
+            print(f"rep {rep}: " + ", ".join(
+                f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
+                f"(acc {v[-1]['accuracy']:.3f})" for k, v in got.items()
+            ), flush=True)  # fmt: skip
+    finally:
+        server.stop()
+    rate = {
+        k: statistics.median(STEPS * WORKERS * BATCH / r["seconds"] for r in v)
+        for k, v in got.items()
+    }
+    acc = {k: statistics.median(r["accuracy"] for r in v) for k, v in got.items()}
+    stale = got["qps"][-1]
+    print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+    print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
+    print("| W4 | examples/s | test accuracy |")
+    print("|---|---|---|")
+    for k in ("qps", "raw", "numpy"):
+        print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} |")
+    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= 1.2); qps staleness "
+          f"p50 {stale['staleness_p50']} / p99 {stale['staleness_p99']}")  # fmt: skip
+    if args.json:
+        print(json.dumps({"rate": rate, "accuracy": acc}))
+
+
+if __name__ == "__main__":
+    main()
