@@ -35,8 +35,8 @@ import qps
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from workers import job
-from workers.data import load_digits
 from workers.models import build_model
+from workers.worker import DATASETS
 
 __all__ = ["JobResult", "TrainConfig", "run_job"]
 
@@ -252,13 +252,13 @@ async def run_job(
 async def evaluate(client: qps.Client, container: str, cfg: TrainConfig) -> float | None:
     """Test accuracy of the job's final parameters (the digits example; None for data
     without a test split)."""
-    if cfg.data != "digits":
+    if cfg.data not in DATASETS:
         return None
     model = build_model(cfg.model)
     names = [p.name for p in model.params_spec() if not p.sparse]
     if len(names) != len(model.params_spec()):
         return None
-    ds = await asyncio.to_thread(load_digits)
+    ds = await asyncio.to_thread(DATASETS[cfg.data])
     async with qps.Session(client=client, container=container) as sess:
         got = await sess.pull(names)
     params = {n: v.value for n, v in got.items()}

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from qps import checkpoint
 from qps.errors import CancelledError, InvalidArgumentError, NotFoundError, OutOfRangeError
 from qps.ps import control
 from workers import job
-from workers.data import load_digits, load_xy, minibatches, take
+from workers.data import Dataset, load_digits, load_xy, minibatches, take, teacher_data
 from workers.models import Model, Rows, build_model, grads_to_host
 
 __all__ = ["INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
@@ -57,6 +57,9 @@ log = logging.getLogger("qps.worker")
 
 #: models with at most this many parameters compute on the event loop's thread
 INLINE_PARAMS = 200_000
+
+#: built-in data sets (``--data NAME``): W4's digits and W5's teacher data
+DATASETS: dict[str, Callable[[], Dataset]] = {"digits": load_digits, "teacher": teacher_data}
 
 
 @dataclass
@@ -138,8 +141,8 @@ class _Input:
         if data.startswith("queue:"):
             self.queue = await self.sess.queue(data[len("queue:") :])
             return
-        if data == "digits":
-            ds = await asyncio.to_thread(load_digits)
+        if data in DATASETS:
+            ds = await asyncio.to_thread(DATASETS[data])
             train = (ds.x_train, ds.y_train)
             self.test = (ds.x_test, ds.y_test)
         else:
@@ -299,13 +302,23 @@ class Worker:
                 if pulled is None or self.sparse:
                     pulled = await self._pull(batch)
                 params, versions = pulled
-                loss, grads = await self._compute(params, batch)
-                push = sess.push(grads, step=step, versions=versions)
                 if self.sparse:  # the next batch's rows are pulled with it
-                    await push
+                    loss, grads = await self._compute(params, batch)
+                    await sess.push(grads, step=step, versions=versions)
                     pulled = None
-                else:  # the push and the next pull travel together
+                elif self.inline:  # the push and the next pull travel together
+                    loss, grads = await self._compute(params, batch)
+                    push = sess.push(grads, step=step, versions=versions)
                     _, pulled = await asyncio.gather(push, self._pull(batch))
+                else:  # the next pull runs while this step computes (on a thread)
+                    ahead = asyncio.ensure_future(self._pull(batch))
+                    try:
+                        loss, grads = await self._compute(params, batch)
+                        await sess.push(grads, step=step, versions=versions)
+                    except BaseException:
+                        ahead.cancel()
+                        raise
+                    pulled = await ahead
                 step += 1
                 n = int(batch[-1].shape[0])
                 res.steps, res.examples, res.last_loss = step, res.examples + n, loss
@@ -382,9 +395,9 @@ class Worker:
 
     async def evaluate(self) -> float | None:
         """Test accuracy of the current parameters (None without a test split)."""
-        if self.cfg.data != "digits" or self.sparse:
+        if self.cfg.data not in DATASETS or self.sparse:
             return None
-        ds = await asyncio.to_thread(load_digits)
+        ds = await asyncio.to_thread(DATASETS[self.cfg.data])
         got = await self.sess.pull(self.dense)
         params = {n: v.value for n, v in got.items()}
         return float(self.model.accuracy(params, (ds.x_test, ds.y_test)))

@@ -1,10 +1,11 @@
-"""W4 train-async-small (../shared/WORKLOADS.md): qps against a minimal raw-Redis PS and
-single-process NumPy, measured in one run.
+"""W4 train-async-small and W5 train-async-large (../shared/WORKLOADS.md): qps against a
+minimal raw-Redis PS and single-process NumPy, measured in one run.
 
-* **qps**: ``workers.launcher.run_job`` with 1 PS shard and 2 workers of 1,500 steps
-  (``qps train --ps 1 --workers 2``), SGD 0.05, the digits MLP 64-128-10. T is from the
-  first worker's first step to the last worker's last step (wall clock, published by
-  the workers), so process start-up is not counted.
+* W4: the digits MLP 64-128-10, batch 64, SGD 0.05, 2 workers x 1,500 steps.
+  W5: the teacher data, MLP 784-1024-1024-10, batch 128, SGD 0.01, 2 workers x 300.
+* **qps**: ``workers.launcher.run_job`` with 1 PS shard and 2 workers (``qps train --ps
+  1 --workers 2``). T is from the first worker's first step to the last worker's last
+  step (wall clock, published by the workers), so process start-up is not counted.
 * **raw**: one PS process and two worker processes with synchronous redis-py clients,
   no qps code. Worker step: ``GET params`` -> NumPy gradient -> ``RPUSH grads`` (worker
   id + gradient) -> ``BLPOP ack:<worker>``. PS: ``BLPOP grads`` -> apply -> ``SET
@@ -12,10 +13,10 @@ single-process NumPy, measured in one run.
 * **numpy**: the same model, init and SGD in one process, 3,000 steps of the seed-1
   minibatch stream.
 
-Metric: examples/s = 3,000 x 64 / T, and the test accuracy of the final parameters.
-A dedicated redis-server (TCP loopback, no persistence) serves qps and raw.
+Metric: examples/s = steps x workers x batch / T, and the test accuracy of the final
+parameters. A dedicated redis-server (TCP loopback, no persistence) serves qps and raw.
 
-    python bench/w4_train.py [--reps 3] [--threads 1|default]
+    python bench/train_async.py [--workload w4|w5] [--reps 3] [--threads 1|default]
 """
 
 from __future__ import annotations
@@ -36,17 +37,38 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-STEPS = 1500
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "w4": {"steps": 1500, "batch": 64, "lr": 0.05, "sizes": [(64, 128), (128, 10)],
+           "data": "digits", "model": "mlp:64,128,10"},
+    "w5": {"steps": 300, "batch": 128, "lr": 0.01,
+           "sizes": [(784, 1024), (1024, 1024), (1024, 10)],
+           "data": "teacher", "model": "mlp:784,1024,1024,10"},
+}  # fmt: skip
 WORKERS = 2
-BATCH = 64
-LR = np.float32(0.05)
-SIZES = [(64, 128), (128, 10)]
+# set by configure() from the workload
+STEPS = BATCH = 0
+LR = np.float32(0)
+SIZES: list[tuple[int, int]] = []
+DATA = MODEL = ""
+
+
+def configure(name: str) -> None:
+    global STEPS, BATCH, LR, SIZES, DATA, MODEL
+    w = WORKLOADS[name]
+    STEPS, BATCH, LR, SIZES = w["steps"], w["batch"], np.float32(w["lr"]), w["sizes"]
+    DATA, MODEL = w["data"], w["model"]
 
 
 # -- data and model, no qps code (the raw and numpy variants) ---------------------------------
 
 
-def digits() -> tuple[np.ndarray, ...]:
+def dataset() -> tuple[np.ndarray, ...]:
+    if DATA == "teacher":  # W5's draw order
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((60000, 784), np.float32)
+        t = rng.standard_normal((784, 10), np.float32)
+        xte = rng.standard_normal((10000, 784), np.float32)
+        return x, (x @ t).argmax(1), xte, (xte @ t).argmax(1)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -72,21 +94,28 @@ def init() -> list[np.ndarray]:
 
 
 def grads(p: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    w1, b1, w2, b2 = p
-    h = np.maximum(x @ w1 + b1, 0)
-    z = h @ w2 + b2
+    hs = [x]
+    for i in range(0, len(p) - 2, 2):
+        hs.append(np.maximum(hs[-1] @ p[i] + p[i + 1], 0))
+    z = hs[-1] @ p[-2] + p[-1]
     z -= z.max(axis=1, keepdims=True)
     e = np.exp(z)
     pr = e / e.sum(axis=1, keepdims=True)
     pr[np.arange(len(y)), y] -= 1
-    dz = pr / len(y)
-    dh = (dz @ w2.T) * (h > 0)
-    return [x.T @ dh, dh.sum(0), h.T @ dz, dz.sum(0)]
+    d = pr / len(y)
+    out: list[np.ndarray] = []
+    for i in range(len(p) - 2, -1, -2):
+        out = [hs[i // 2].T @ d, d.sum(0), *out]
+        if i:
+            d = (d @ p[i].T) * (hs[i // 2] > 0)
+    return out
 
 
 def accuracy(p: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
-    w1, b1, w2, b2 = p
-    return float(((np.maximum(x @ w1 + b1, 0) @ w2 + b2).argmax(1) == y).mean())
+    h = x
+    for i in range(0, len(p) - 2, 2):
+        h = np.maximum(h @ p[i] + p[i + 1], 0)
+    return float(((h @ p[-2] + p[-1]).argmax(1) == y).mean())
 
 
 def batches(n: int, rng: np.random.Generator) -> Any:
@@ -114,7 +143,7 @@ def unflat(buf: bytes) -> list[np.ndarray]:
 
 
 def run_numpy() -> dict[str, Any]:
-    xtr, ytr, xte, yte = digits()
+    xtr, ytr, xte, yte = dataset()
     p = init()
     order = batches(len(ytr), np.random.default_rng(1))
     t0 = time.perf_counter()
@@ -129,9 +158,10 @@ def run_numpy() -> dict[str, Any]:
 # -- raw Redis PS ---------------------------------------------------------------------------
 
 
-def _raw_ps(url: str, ready: Any) -> None:
+def _raw_ps(workload: str, url: str, ready: Any) -> None:
     import redis
 
+    configure(workload)
     r = redis.Redis.from_url(url)
     p = init()
     r.set("params", flat(p))
@@ -145,11 +175,12 @@ def _raw_ps(url: str, ready: Any) -> None:
         r.rpush(b"ack:" + wid, 1)
 
 
-def _raw_worker(url: str, k: int, ready: Any, out: Any) -> None:
+def _raw_worker(workload: str, url: str, k: int, ready: Any, out: Any) -> None:
     import redis
 
+    configure(workload)
     r = redis.Redis.from_url(url)
-    xtr, ytr, _, _ = digits()
+    xtr, ytr, _, _ = dataset()
     order = batches(len(ytr), np.random.default_rng(1 + k))
     wid = str(k).encode()
     ready.wait()
@@ -162,20 +193,23 @@ def _raw_worker(url: str, k: int, ready: Any, out: Any) -> None:
     out.put((start, time.time()))
 
 
-def run_raw(url: str) -> dict[str, Any]:
+def run_raw(workload: str, url: str) -> dict[str, Any]:
     import redis
 
     redis.Redis.from_url(url).flushall()
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
-    ps = ctx.Process(target=_raw_ps, args=(url, ready))
-    ws = [ctx.Process(target=_raw_worker, args=(url, k, ready, out)) for k in range(WORKERS)]
+    ps = ctx.Process(target=_raw_ps, args=(workload, url, ready))
+    ws = [
+        ctx.Process(target=_raw_worker, args=(workload, url, k, ready, out))
+        for k in range(WORKERS)
+    ]
     for proc in (ps, *ws):
         proc.start()
     spans = [out.get(timeout=600) for _ in ws]
     for proc in (ps, *ws):
         proc.join(60)
-    _, _, xte, yte = digits()
+    _, _, xte, yte = dataset()
     p = unflat(redis.Redis.from_url(url).get("params"))
     t = max(e for _, e in spans) - min(s for s, _ in spans)
     return {"seconds": t, "accuracy": accuracy(p, xte, yte)}
@@ -191,8 +225,11 @@ def run_qps(url: str, rep: int) -> dict[str, Any]:
     from workers.launcher import TrainConfig, run_job
 
     redis.Redis.from_url(url).flushall()
-    container = f"w4-{rep}"
-    cfg = TrainConfig(num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container)
+    container = f"bench-{rep}"
+    cfg = TrainConfig(
+        num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
+        model=MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
+    )  # fmt: skip
 
     async def main() -> tuple[Any, dict[str, Any]]:
         import qps
@@ -217,6 +254,7 @@ def run_qps(url: str, rep: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w4")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", choices=["1", "default"], default="1",
                     help="OPENBLAS_NUM_THREADS for every process (default 1)")  # fmt: skip
@@ -224,6 +262,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads == "1":
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    configure(args.workload)
     import harness
 
     server = harness.BenchServer().start()
@@ -232,7 +271,7 @@ def main() -> None:
         got: dict[str, list[dict[str, Any]]] = {"qps": [], "raw": [], "numpy": []}
         for rep in range(args.reps):
             got["numpy"].append(run_numpy())
-            got["raw"].append(run_raw(server.url))
+            got["raw"].append(run_raw(args.workload, server.url))
             got["qps"].append(run_qps(server.url, rep))
             print(f"rep {rep}: " + ", ".join(
                 f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
@@ -249,11 +288,12 @@ def main() -> None:
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
-    print("| W4 | examples/s | test accuracy |")
+    print(f"| {args.workload.upper()} | examples/s | test accuracy |")
     print("|---|---|---|")
     for k in ("qps", "raw", "numpy"):
         print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} |")
-    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= 1.2); qps staleness "
+    goal = {"w4": 1.2, "w5": 2.0}[args.workload]
+    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}); qps staleness "
           f"p50 {stale['staleness_p50']} / p99 {stale['staleness_p99']}")  # fmt: skip
     if args.json:
         print(json.dumps({"rate": rate, "accuracy": acc}))
