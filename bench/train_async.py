@@ -246,7 +246,7 @@ def run_qps(url: str, rep: int) -> dict[str, Any]:
     t = max(s["ended_at"] for s in ws) - min(s["started_at"] for s in ws)
     return {
         "seconds": t,
-        "accuracy": result.test_accuracy,
+        "accuracy": result.test_value,
         "staleness_p50": result.staleness_p50,
         "staleness_p99": result.staleness_p99,
     }

@@ -80,7 +80,7 @@ def test_digits_trains_and_every_role_exits(mode: str) -> None:
     assert result["stopped"] == "finished" and result["failed"] == {}
     assert result["global_step"] == 600  # every push applied exactly once
     assert result["examples"] == 600 * 64
-    assert result["test_accuracy"] >= 0.9, result
+    assert result["test_metric"] == "accuracy" and result["test_value"] >= 0.9, result
     assert result["staleness_p99"] is not None
     assert "[worker1]" in err and "[ps1]" in err  # the roles' logs, prefixed
     assert _processes_of(c) == []
@@ -113,5 +113,19 @@ def test_a_killed_worker_does_not_stop_async_training() -> None:
     assert result["failed"] == {"worker2": -signal.SIGKILL}
     assert result["stopped"] == "finished"
     assert 800 + 20 <= result["global_step"] < 1200  # the others ran their 400 steps
-    assert result["test_accuracy"] >= 0.9, result
+    assert result["test_metric"] == "accuracy" and result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []
+
+
+def test_the_ctr_example_learns_with_sparse_rows() -> None:
+    """The embedding-bag model pulls and pushes table rows (sparse gradients) and is
+    scored by its test AUC on the synthetic click data."""
+    c = _container()
+    proc = _train("--example", "ctr", "--ps", "2", "--workers", "2", "--steps", "200",
+                  "--json", "-q", "--container", c)  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["global_step"] == 400 and result["failed"] == {}
+    assert result["test_metric"] == "auc" and result["test_value"] >= 0.75, result
     assert _processes_of(c) == []

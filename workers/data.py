@@ -206,3 +206,48 @@ def minibatches(
 def take(batch: Sequence[npt.NDArray[Any]], idx: Any) -> tuple[npt.NDArray[Any], ...]:
     """``batch`` restricted to examples ``idx`` (every array indexed on axis 0)."""
     return tuple(a[idx] for a in batch)
+
+
+#: built-in data sets a worker can train on by name (``--data NAME``)
+BUILTIN = ("digits", "teacher", "ctr")
+
+
+def builtin_split(name: str, model: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``(train batch, test batch)`` of built-in data set ``name``: ``digits`` (W4),
+    ``teacher`` (W5), or ``ctr``: 60,000 examples of :func:`synthetic_ctr` shaped for
+    ``model`` (an embedding-bag model: its tables, bag size, dense features and
+    classes; seed 7), the last 10,000 held out.
+
+    Raises:
+        InvalidArgumentError: an unknown name, or ``ctr`` for a model without tables.
+    """
+    if name == "digits":
+        ds = load_digits()
+    elif name == "teacher":
+        ds = teacher_data()
+    elif name == "ctr":
+        vocab = getattr(model, "vocab", None)
+        if not vocab:
+            raise InvalidArgumentError("--data ctr needs an embedding-bag model (embbag:...)")
+        dense, ids, y = synthetic_ctr(
+            60_000, vocab, bag=model.bag, dense=model.n_dense, classes=model.classes, seed=7
+        )
+        cut = 50_000
+        return (dense[:cut], ids[:cut], y[:cut]), (dense[cut:], ids[cut:], y[cut:])
+    else:
+        raise InvalidArgumentError(f"no built-in data set {name!r} (known: {', '.join(BUILTIN)})")
+    return (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
+
+
+def auc(scores: Any, labels: Any) -> float:
+    """Area under the ROC curve of ``scores`` for binary ``labels`` (the Mann-Whitney
+    statistic, ties counted half); 0.5 when one class is missing."""
+    s = np.asarray(scores, dtype=np.float64).ravel()
+    y = np.asarray(labels).ravel() > 0
+    pos, neg = int(y.sum()), int((~y).sum())
+    if pos == 0 or neg == 0:
+        return 0.5
+    _, group, counts = np.unique(s, return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts  # 0-based rank of each distinct score's first copy
+    ranks = first[group] + (counts[group] + 1) / 2  # 1-based ranks, ties averaged
+    return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))

@@ -35,8 +35,9 @@ import qps
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from workers import job
+from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
-from workers.worker import DATASETS
+from workers.worker import evaluate_params
 
 __all__ = ["JobResult", "TrainConfig", "run_job"]
 
@@ -98,7 +99,8 @@ class JobResult:
     seconds: float = 0.0
     global_step: int = 0
     examples: int = 0
-    test_accuracy: float | None = None
+    test_metric: str = ""  # "accuracy", or "auc" for a CTR model
+    test_value: float | None = None
     last_loss: float | None = None
     staleness_p50: int | None = None
     staleness_p99: int | None = None
@@ -117,7 +119,8 @@ class JobResult:
             "global_step": self.global_step,
             "examples": self.examples,
             "examples_per_s": round(self.examples_per_second, 1),
-            "test_accuracy": self.test_accuracy,
+            "test_metric": self.test_metric,
+            "test_value": self.test_value,
             "last_loss": self.last_loss,
             "staleness_p50": self.staleness_p50,
             "staleness_p99": self.staleness_p99,
@@ -233,7 +236,9 @@ async def run_job(
                 client, container
             )
             if result.exit_code == 0:
-                result.test_accuracy = await evaluate(client, container, cfg)
+                got = await evaluate(client, container, cfg)
+                if got is not None:
+                    result.test_metric, result.test_value = got
             total: dict[int, int] = {}
             for i in range(cfg.num_shards):
                 st = await control.shard_status(client, container, i)
@@ -249,20 +254,16 @@ async def run_job(
     return result
 
 
-async def evaluate(client: qps.Client, container: str, cfg: TrainConfig) -> float | None:
-    """Test accuracy of the job's final parameters (the digits example; None for data
-    without a test split)."""
-    if cfg.data not in DATASETS:
+async def evaluate(
+    client: qps.Client, container: str, cfg: TrainConfig
+) -> tuple[str, float] | None:
+    """The test metric of the job's final parameters (built-in data sets only)."""
+    if cfg.data not in BUILTIN:
         return None
     model = build_model(cfg.model)
-    names = [p.name for p in model.params_spec() if not p.sparse]
-    if len(names) != len(model.params_spec()):
-        return None
-    ds = await asyncio.to_thread(DATASETS[cfg.data])
+    _, test = await asyncio.to_thread(builtin_split, cfg.data, model)
     async with qps.Session(client=client, container=container) as sess:
-        got = await sess.pull(names)
-    params = {n: v.value for n, v in got.items()}
-    return float(model.accuracy(params, (ds.x_test, ds.y_test)))
+        return await evaluate_params(sess, model, test)
 
 
 async def _watch(

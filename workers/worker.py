@@ -37,7 +37,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from qps import checkpoint
 from qps.errors import CancelledError, InvalidArgumentError, NotFoundError, OutOfRangeError
 from qps.ps import control
 from workers import job
-from workers.data import Dataset, load_digits, load_xy, minibatches, take, teacher_data
+from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
 from workers.models import Model, Rows, build_model, grads_to_host
 
 __all__ = ["INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
@@ -58,8 +58,18 @@ log = logging.getLogger("qps.worker")
 #: models with at most this many parameters compute on the event loop's thread
 INLINE_PARAMS = 200_000
 
-#: built-in data sets (``--data NAME``): W4's digits and W5's teacher data
-DATASETS: dict[str, Callable[[], Dataset]] = {"digits": load_digits, "teacher": teacher_data}
+
+async def evaluate_params(
+    sess: qps.Session, model: Model, test: tuple[np.ndarray, ...]
+) -> tuple[str, float]:
+    """The test metric of the job's current parameters (whole tables pulled): the AUC
+    for a model with one logit (CTR), else the accuracy."""
+    got = await sess.pull([p.name for p in model.params_spec()])
+    params = {n: v.value for n, v in got.items()}
+    if getattr(model, "classes", 0) == 1 and hasattr(model, "logits"):
+        scores = model.logits(params, test)
+        return "auc", auc(np.asarray(scores)[:, 0], test[-1])
+    return "accuracy", float(model.accuracy(params, test))
 
 
 @dataclass
@@ -114,7 +124,8 @@ class WorkerResult:
     seconds: float = 0.0
     last_loss: float = math.nan
     global_step: int = 0
-    test_accuracy: float | None = None
+    test_metric: str = ""  # "accuracy" or "auc" (see evaluate_params)
+    test_value: float | None = None
     stopped_by: str = ""
     waited_ms: int = 0  # time spent waiting on slower workers (SSP)
     started_at: float = 0.0  # wall clock (time.time()) of the first step
@@ -129,10 +140,11 @@ class WorkerResult:
 class _Input:
     """Batches for one worker: local minibatches, or a shared input queue."""
 
-    def __init__(self, cfg: WorkerConfig, sess: qps.Session) -> None:
+    def __init__(self, cfg: WorkerConfig, sess: qps.Session, model: Model) -> None:
         self.cfg = cfg
         self.sess = sess
-        self.test: tuple[np.ndarray, np.ndarray] | None = None
+        self.model = model
+        self.test: tuple[np.ndarray, ...] | None = None
         self.queue: Any = None
         self._local: Any = None
 
@@ -141,10 +153,8 @@ class _Input:
         if data.startswith("queue:"):
             self.queue = await self.sess.queue(data[len("queue:") :])
             return
-        if data in DATASETS:
-            ds = await asyncio.to_thread(DATASETS[data])
-            train = (ds.x_train, ds.y_train)
-            self.test = (ds.x_test, ds.y_test)
+        if data in BUILTIN:
+            train, self.test = await asyncio.to_thread(builtin_split, data, self.model)
         else:
             train = load_xy(data)
         rng = np.random.default_rng(self.cfg.seed + self.cfg.index)
@@ -271,7 +281,7 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------
     async def train(self) -> WorkerResult:
         cfg, sess, res = self.cfg, self.sess, self.result
-        source = _Input(cfg, sess)
+        source = _Input(cfg, sess, self.model)
         await source.open()
         res.global_step = await sess.global_step()
         start = time.monotonic()
@@ -380,12 +390,11 @@ class Worker:
         if cfg.max_staleness is not None:
             await job.ssp_advance(sess.client, cfg.container, cfg.name, res.steps, self.names)
         if cfg.index == 0 and cfg.evaluate:
-            res.test_accuracy = await self.evaluate()
-            if res.test_accuracy is not None:
-                log.info("%s: test accuracy %.4f", cfg.name, res.test_accuracy)
-                await job.publish_status(
-                    sess.client, cfg.container, "eval", {"test_accuracy": res.test_accuracy}
-                )
+            got = await self.evaluate()
+            if got is not None:
+                res.test_metric, res.test_value = got
+                log.info("%s: test %s %.4f", cfg.name, *got)
+                await job.publish_status(sess.client, cfg.container, "eval", {got[0]: got[1]})
         if cfg.finish_job and done >= cfg.num_workers:
             try:
                 await control.mark_finished(sess.client, cfg.container)
@@ -393,14 +402,12 @@ class Worker:
             except NotFoundError:
                 pass
 
-    async def evaluate(self) -> float | None:
-        """Test accuracy of the current parameters (None without a test split)."""
-        if self.cfg.data not in DATASETS or self.sparse:
+    async def evaluate(self) -> tuple[str, float] | None:
+        """The test metric of the current parameters (None without a test split)."""
+        if self.cfg.data not in BUILTIN:
             return None
-        ds = await asyncio.to_thread(DATASETS[self.cfg.data])
-        got = await self.sess.pull(self.dense)
-        params = {n: v.value for n, v in got.items()}
-        return float(self.model.accuracy(params, (ds.x_test, ds.y_test)))
+        _, test = await asyncio.to_thread(builtin_split, self.cfg.data, self.model)
+        return await evaluate_params(self.sess, self.model, test)
 
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> WorkerResult:

@@ -22,6 +22,16 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "optimizer": "sgd",
         "learning_rate": 0.05,
     },
+    # a CTR model with three embedding tables (rows pulled and pushed sparsely) on
+    # synthetic click data; reported metric: test AUC
+    "ctr": {
+        "model": "embbag:tables=20000-2000-200,dim=8,dense=4,hidden=32,pool=mean,bag=3",
+        "data": "ctr",
+        "batch_size": 128,
+        "steps": 600,
+        "optimizer": "adagrad",
+        "learning_rate": 0.1,
+    },
 }
 
 #: options a --config TOML file may set (its keys, with '-' or '_')
@@ -186,11 +196,12 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     if json:
         click.echo(jsonlib.dumps(result.as_dict(), indent=2))
     else:
-        acc = "-" if result.test_accuracy is None else f"{result.test_accuracy:.4f}"
+        metric = result.test_metric or "accuracy"
+        value = "-" if result.test_value is None else f"{result.test_value:.4f}"
         p50 = "-" if result.staleness_p50 is None else str(result.staleness_p50)
         p99 = "-" if result.staleness_p99 is None else str(result.staleness_p99)
         click.echo(
-            f"{result.stopped}: test accuracy {acc}, global step {result.global_step:,}, "
+            f"{result.stopped}: test {metric} {value}, global step {result.global_step:,}, "
             f"{result.examples:,} examples in {result.seconds:.1f} s "
             f"({result.examples_per_second:,.0f} examples/s), staleness p50 {p50} / p99 {p99}"
         )

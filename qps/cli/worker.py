@@ -18,9 +18,11 @@ MODEL_HELP = (
     "(see docs/models.md)."
 )
 DATA_HELP = (
-    "Where batches come from: 'digits' (scikit-learn's digits, W4's split; each worker "
-    "draws its own minibatches), a .npz file with arrays x and y, or queue:NAME (a shared "
-    "input queue filled by `qps feed`; the worker stops when it is closed and empty)."
+    "Where batches come from: a built-in data set, each worker drawing its own "
+    "minibatches: 'digits' (scikit-learn's digits, W4's split), 'teacher' (W5's "
+    "synthetic data) or 'ctr' (synthetic clicks shaped for an embbag model); a .npz "
+    "file with arrays x and y; or queue:NAME (a shared input queue filled by `qps feed`; "
+    "the worker stops when it is closed and empty)."
 )
 
 
