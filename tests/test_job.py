@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+import qps
 from qps.errors import DeadlineExceededError
 from tests.conftest import pending
 from workers import job
@@ -63,3 +64,11 @@ async def test_ssp_waits_for_the_slowest_running_worker(make_client):
     await job.finish_worker(slow, C, "worker1")
     await job.ssp_advance(slow, C, "worker1", 1, names)  # the wake-up
     await asyncio.wait_for(waiter, 10)
+
+
+async def test_claim_index_hands_out_1_to_w_minus_1_once_per_host(client):
+    assert await job.claim_index(client, C, "host-a", 3) == 1
+    assert await job.claim_index(client, C, "host-b", 3) == 2
+    assert await job.claim_index(client, C, "host-a", 3) == 1  # a restart: same index
+    with pytest.raises(qps.errors.FailedPreconditionError, match="every worker index"):
+        await job.claim_index(client, C, "host-c", 3)

@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from qps import keys
-from qps.errors import DeadlineExceededError
+from qps.errors import DeadlineExceededError, FailedPreconditionError
 from qps.transport import Client, map_errors
 
 __all__ = [
     "WAKE_SECONDS",
+    "claim_index",
     "finish_worker",
     "finished_workers",
     "is_ready",
@@ -92,6 +93,34 @@ async def wait_ready(
         with map_errors():
             await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
     return info
+
+
+# -- worker indexes ---------------------------------------------------------------------
+
+
+async def claim_index(client: Client, container: str, who: str, num_workers: int) -> int:
+    """A worker index in ``1 .. num_workers - 1`` for a worker started without one
+    (``qps worker --index auto``: replicas of one compose service). ``who`` names the
+    claimant (its host name): the same name gets the same index again, so a restarted
+    replica resumes its place. Index 0, the chief, is never handed out.
+
+    Raises:
+        FailedPreconditionError: every index is taken.
+    """
+    table, counter = _key(container, "indexes"), _key(container, "next-index")
+    with map_errors():
+        got = await client.commands.hget(table, who)
+        if got is None:
+            candidate = int(await client.commands.incr(counter))
+            if candidate < num_workers:
+                await client.commands.hsetnx(table, who, candidate)
+            got = await client.commands.hget(table, who)
+    if got is None:
+        raise FailedPreconditionError(
+            f"every worker index of container '{container}' is taken ({num_workers} workers: "
+            "raise --num-workers, or reset the container)"
+        )
+    return int(got)
 
 
 # -- worker status ----------------------------------------------------------------------

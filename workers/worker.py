@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ async def evaluate_params(
 class WorkerConfig:
     """What ``qps worker`` takes (see its ``--help``)."""
 
-    index: int
+    index: int  # -1: claim one (--index auto)
     num_workers: int
     num_shards: int | None = None
     model: str = "mlp:64,128,10"
@@ -97,7 +98,7 @@ class WorkerConfig:
 
     def check(self) -> None:
         """Raises InvalidArgumentError for settings that cannot work."""
-        if self.num_workers < 1 or not 0 <= self.index < self.num_workers:
+        if self.num_workers < 1 or not -1 <= self.index < self.num_workers:
             raise InvalidArgumentError(
                 f"worker index {self.index} is not in [0, {self.num_workers}) workers"
             )
@@ -412,7 +413,14 @@ class Worker:
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> WorkerResult:
     """Run one worker to its end (see the module docstring); ``stop`` set: finish the
-    step in hand and stop (SIGTERM)."""
+    step in hand and stop (SIGTERM). ``cfg.index`` -1: claim an index (``--index
+    auto``, see :func:`workers.job.claim_index`) under this host's name."""
+    if cfg.index < 0:
+        async with await qps.connect(cfg.url) as client:
+            cfg.index = await job.claim_index(
+                client, cfg.container, socket.gethostname(), cfg.num_workers
+            )
+        log.info("%s: claimed index %d of %d", cfg.name, cfg.index, cfg.num_workers)
     async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
         w = Worker(cfg, sess)
         if stop is not None:

@@ -35,8 +35,27 @@ def _info_logs(ctx: click.Context) -> None:
         logging.getLogger("qps.worker").setLevel(logging.INFO)  # a role says what it does
 
 
+def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    if value == "auto":
+        return -1
+    try:
+        index = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an integer or 'auto'") from None
+    if index < 0:
+        raise click.BadParameter(f"{index} is below 0")
+    return index
+
+
 @click.command(name="worker")
-@click.option("--index", type=click.IntRange(min=0), required=True, help="This worker's index I.")
+@click.option(
+    "--index",
+    required=True,
+    callback=_index,
+    metavar="I|auto",
+    help="This worker's index I (0 is the chief), or auto: claim a free index from 1 up "
+    "(replicas of one compose service; a restarted replica gets its index back).",
+)
 @click.option(
     "--num-workers", type=click.IntRange(min=1), required=True, help="Workers in the job (W)."
 )
