@@ -1,0 +1,169 @@
+"""Security basics: TLS (rediss://) against a local server with a self-signed CA, and a
+scan of the package for pickle, eval/exec and object dtypes."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qps
+from qps.embedded import find_server_binary
+from qps.errors import UnavailableError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- no pickle, eval or object dtypes -----------------------------------------------------------
+
+
+def _sources() -> list[Path]:
+    return sorted([*ROOT.joinpath("qps").rglob("*.py"), *ROOT.joinpath("workers").rglob("*.py")])
+
+
+def test_the_package_never_unpickles_evals_or_uses_object_dtypes() -> None:
+    problems = []
+    for path in _sources():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names]
+                mod = node.module if isinstance(node, ast.ImportFrom) else None
+                for n in [*names, mod or ""]:
+                    if n.split(".")[0] in (
+                        "pickle",
+                        "cPickle",
+                        "dill",
+                        "cloudpickle",
+                        "marshal",
+                        "shelve",
+                    ):
+                        problems.append(f"{where}: imports {n}")
+            elif isinstance(node, ast.Call):
+                fn = node.func
+                name = (
+                    fn.id
+                    if isinstance(fn, ast.Name)
+                    else fn.attr
+                    if isinstance(fn, ast.Attribute)
+                    else ""
+                )
+                if name in ("eval", "exec") and isinstance(fn, ast.Name):
+                    problems.append(f"{where}: calls {name}()")
+                for kw in node.keywords:
+                    if kw.arg == "allow_pickle" and not (
+                        isinstance(kw.value, ast.Constant) and kw.value.value is False
+                    ):
+                        problems.append(f"{where}: allow_pickle is not False")
+                    if kw.arg == "dtype" and (
+                        (isinstance(kw.value, ast.Name) and kw.value.id == "object")
+                        or (
+                            isinstance(kw.value, ast.Constant) and kw.value.value in ("O", "object")
+                        )
+                    ):
+                        problems.append(f"{where}: an object dtype")
+            elif isinstance(node, ast.Attribute) and node.attr == "object_":
+                problems.append(f"{where}: np.object_")
+    assert problems == []
+
+
+def test_the_wire_refuses_object_arrays() -> None:
+    with pytest.raises(qps.errors.InvalidArgumentError):
+        qps.wire.encode([np.array([{"a": 1}], dtype=object)])
+
+
+# -- TLS --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _openssl(*args: str, cwd: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[tuple[int, str]]:
+    """A TLS-only redis-server with a certificate signed by a fresh self-signed CA;
+    yields its port and the CA file."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    binary, _ = find_server_binary()
+    d = tempfile.mkdtemp(prefix="qpstls")
+    try:
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+                 "/CN=qps test CA", "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
+                 "-keyout", "server.key", "-out", "server.csr", cwd=d)  # fmt: skip
+        Path(d, "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "server.crt",
+                 cwd=d)  # fmt: skip
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", "0", "--tls-port", str(port), "--tls-cert-file", "server.crt",
+             "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.crt",
+             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", d],
+            cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                if proc.poll() is not None:
+                    pytest.skip("this redis-server cannot serve TLS")
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.05)
+            yield port, str(Path(d, "ca.crt"))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_queues_and_variables_work_over_tls(tls_server: tuple[int, str]) -> None:
+    port, ca = tls_server
+    url = f"rediss://localhost:{port}/0?ssl_ca_certs={ca}"
+    async with await qps.connect(url) as client:
+        q = qps.FIFOQueue(10, [np.float32, np.int64], shapes=[[3], []], shared_name="tls",
+                          client=client)  # fmt: skip
+        await q.enqueue_many([np.ones((4, 3), np.float32), np.arange(4)])
+        task = asyncio.create_task(q.dequeue_many(6))  # blocks (lean waiter, over TLS)
+        await q.enqueue_many([np.zeros((2, 3), np.float32), np.arange(4, 6)])
+        x, y = await asyncio.wait_for(task, 10)
+        assert y.tolist() == list(range(6)) and x.shape == (6, 3)
+        v = qps.Variable("w", (2, 2), np.float32, initializer="ones", client=client,
+                         container="tls")  # fmt: skip
+        got = await v.read()
+        assert np.array_equal(got.value, np.ones((2, 2), np.float32))
+
+
+async def test_tls_without_the_ca_or_without_tls_is_refused(tls_server: tuple[int, str]) -> None:
+    port, _ = tls_server
+    with pytest.raises(UnavailableError):
+        client = await qps.connect(f"rediss://localhost:{port}/0")  # system CAs only
+        try:
+            await qps.FIFOQueue(1, np.int64, shared_name="x", client=client).size()
+        finally:
+            await client.close()
+    with pytest.raises(UnavailableError):
+        client = await qps.connect(f"redis://127.0.0.1:{port}/0")  # plain text to a TLS port
+        try:
+            await qps.FIFOQueue(1, np.int64, shared_name="x", client=client).size()
+        finally:
+            await client.close()
