@@ -60,6 +60,11 @@ class WouldBlockError(QpsError):
     """A ``*_nowait`` call could not complete at once; nothing was changed."""
 
 
+class PermissionDeniedError(QpsError, PermissionError):
+    """The Redis user may not run a command or touch a key (an ACL restricts it, e.g.
+    to one container's keys: see docs/containers.md)."""
+
+
 __all__ = [
     "AbortedError",
     "CancelledError",
@@ -70,6 +75,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "OutOfRangeError",
+    "PermissionDeniedError",
     "QpsError",
     "UnavailableError",
     "WouldBlockError",

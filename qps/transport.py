@@ -53,11 +53,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qps import resp
-from qps.errors import InternalError, QpsError, UnavailableError
+from qps.errors import InternalError, PermissionDeniedError, QpsError, UnavailableError
 
 log = logging.getLogger("qps.transport")
 
@@ -96,9 +96,13 @@ def translate(exc: RedisError | OSError | resp.ReplyError) -> QpsError:
             text = text[len(code) + 1 :]
         if unavailable:
             return UnavailableError(f"Redis is unreachable: {text}")
+        if code == "NOPERM" or "NOPERM" in text[:80]:
+            return PermissionDeniedError(f"Redis refused: {text}")
         return InternalError(f"unexpected Redis error: {text}")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
         return UnavailableError(f"Redis is unreachable: {exc}")
+    if isinstance(exc, NoPermissionError) or "NOPERM" in str(exc)[:80]:
+        return PermissionDeniedError(f"Redis refused: {exc}")
     return InternalError(f"unexpected Redis error: {exc}")
 
 

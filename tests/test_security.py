@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import secrets
 import shutil
 import socket
 import subprocess
@@ -167,3 +168,55 @@ async def test_tls_without_the_ca_or_without_tls_is_refused(tls_server: tuple[in
             await qps.FIFOQueue(1, np.int64, shared_name="x", client=client).size()
         finally:
             await client.close()
+
+
+# -- ACL: a job's credentials reach its own container only ----------------------------------
+
+
+async def test_an_acl_user_of_one_container_cannot_touch_another(redis_url: str) -> None:
+    """A Redis ACL user limited to one container's key patterns (``qps:{C}:*`` and
+    ``qps:{C/*``, plus writing the container registry) runs queues, variables and
+    counters there; reading or writing another container is refused with
+    PermissionDeniedError, and that container is unchanged."""
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(redis_url)
+    user = f"job{secrets.token_hex(3)}"
+    mine, theirs = f"{user}-a", f"{user}-b"
+    await admin.execute_command(
+        "ACL", "SETUSER", user, "on", ">s3cret", "resetkeys",
+        f"~qps:{{{mine}}}:*", f"~qps:{{{mine}/*", "%W~qps:containers",
+        "+@all", "-@admin", "-@dangerous",
+    )  # fmt: skip
+    try:
+        async with await qps.connect(redis_url) as owner:  # the other job, full rights
+            q_b = qps.FIFOQueue(5, np.int64, shared_name="q", container=theirs, client=owner)
+            await q_b.enqueue(np.int64(7))
+        scheme, rest = redis_url.split("://", 1)
+        url = (
+            f"unix://{user}:s3cret@{rest}"
+            if scheme == "unix"
+            else f"{scheme}://{user}:s3cret@{rest}"
+        )
+        async with await qps.connect(url) as client:
+            q = qps.FIFOQueue(5, np.int64, shared_name="q", container=mine, client=client)
+            await q.enqueue(np.int64(1))
+            assert int(await q.dequeue()) == 1
+            counter = qps.Counter("steps", container=mine, client=client)
+            assert await counter.add(2) == 2
+            v = qps.Variable("w", (3,), np.float32, initializer="ones", container=mine,
+                             client=client)  # fmt: skip
+            assert (await v.read()).value.tolist() == [1.0, 1.0, 1.0]
+            other = qps.FIFOQueue(5, np.int64, shared_name="q", container=theirs, client=client)
+            with pytest.raises(qps.errors.PermissionDeniedError):
+                await other.dequeue_nowait()
+            with pytest.raises(qps.errors.PermissionDeniedError):
+                await other.enqueue(np.int64(9))
+            with pytest.raises(qps.errors.PermissionDeniedError):
+                await qps.Counter("steps", container=theirs, client=client).add(1)
+        async with await qps.connect(redis_url) as owner:
+            q_b = qps.FIFOQueue(5, np.int64, shared_name="q", container=theirs, client=owner)
+            assert await q_b.size() == 1 and int(await q_b.dequeue()) == 7
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
