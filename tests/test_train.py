@@ -129,3 +129,26 @@ def test_the_ctr_example_learns_with_sparse_rows() -> None:
     assert result["global_step"] == 400 and result["failed"] == {}
     assert result["test_metric"] == "auc" and result["test_value"] >= 0.75, result
     assert _processes_of(c) == []
+
+
+def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    first = _train("--ps", "1", "--workers", "2", "--steps", "200", "--json", "-q",
+                   "--container", _container(), "--checkpoint-dir", ckpt,
+                   "--checkpoint-every", "100", "--log-every", "50")  # fmt: skip
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert json.loads(out)["restored_from"] is None
+    saved = sorted(p.name for p in Path(ckpt).iterdir())
+    assert saved and all(name.startswith("model-") for name in saved), saved
+    c = _container()
+    second = _train("--ps", "1", "--workers", "2", "--steps", "50", "--json", "-q",
+                    "--container", c, "--checkpoint-dir", ckpt)  # fmt: skip
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    step = result["restored_step"]
+    assert result["restored_from"].endswith(saved[-1]) and 100 <= step <= 400
+    assert result["global_step"] == step + 100  # the restored step, then 2 x 50 pushes
+    assert result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []

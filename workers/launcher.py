@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import qps
+from qps import checkpoint
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from workers import job
 from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
-from workers.worker import evaluate_params
+from workers.worker import evaluate_params, latest_checkpoint
 
 __all__ = ["JobResult", "TrainConfig", "run_job"]
 
@@ -106,6 +107,8 @@ class JobResult:
     staleness_p99: int | None = None
     failed: dict[str, int] = field(default_factory=dict)  # role -> exit code
     stopped: str = ""
+    restored_from: str | None = None  # the checkpoint the job started from
+    restored_step: int | None = None
 
     @property
     def examples_per_second(self) -> float:
@@ -126,6 +129,8 @@ class JobResult:
             "staleness_p99": self.staleness_p99,
             "failed": self.failed,
             "stopped": self.stopped,
+            "restored_from": self.restored_from,
+            "restored_step": self.restored_step,
         }
 
 
@@ -212,6 +217,11 @@ async def run_job(
     try:
         async with await qps.connect(url) as client:
             optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
+            path = latest_checkpoint(cfg.checkpoint_dir)
+            if path is not None:  # before any role writes: the container must be empty
+                info = await checkpoint.restore(client, path, container=container)
+                result.restored_from, result.restored_step = str(path), info.global_step
+                emit(f"qps train: restored {path} (global step {info.global_step})")
             await control.configure(client, container, cfg.num_shards, optimizer)
             emit(
                 f"qps train: container {container}: {cfg.num_shards} PS shard(s), "

@@ -36,10 +36,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +60,13 @@ log = logging.getLogger("qps.worker")
 
 #: models with at most this many parameters compute on the event loop's thread
 INLINE_PARAMS = 200_000
+
+
+def latest_checkpoint(directory: str | None) -> Path | None:
+    """The newest checkpoint under ``directory`` (None: no directory, none yet)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    return checkpoint.latest(directory)
 
 
 async def evaluate_params(
@@ -214,8 +223,10 @@ class Worker:
         the trained values); then record the PS job's shard count if given."""
         cfg, client = self.cfg, self.sess.client
         how = ""
-        path = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-        if path is not None:
+        existing = set(await self.sess.list_variables())
+        wanted = {p.name for p in self.model.params_spec()}
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is not None and not wanted <= existing:
             if await checkpoint.container_is_empty(client, cfg.container):
                 info = await checkpoint.restore(self.sess, path)
                 how = f"restored {path} (global step {info.global_step})"
@@ -225,7 +236,6 @@ class Worker:
                     cfg.name, cfg.container, path,
                 )  # fmt: skip
         if not how:
-            existing = set(await self.sess.list_variables())
             variables = self.model.variables(  # type: ignore[attr-defined]
                 np.random.default_rng(0), container=cfg.container, client=client
             )
