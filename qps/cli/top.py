@@ -39,15 +39,19 @@ from qps.errors import NotFoundError, QpsError
 from qps.transport import Client
 from workers.monitor import JobSnapshot, QueueRow, Rates, rates, snapshot
 
-__all__ = ["BAR_WIDTH", "bar", "render", "top"]
+__all__ = ["BAR_WIDTH", "PIPE_WIDTH", "bar", "render", "top"]
 
 #: characters of a queue's depth bar
 BAR_WIDTH = 20
+#: the width ``--once`` draws at when stdout is not a terminal
+PIPE_WIDTH = 160
 
 
 def bar(size: int, capacity: int, width: int = BAR_WIDTH) -> Text:
     """A depth bar: ``size`` of ``capacity`` as filled cells, coloured by fullness."""
-    frac = 0.0 if capacity <= 0 else min(1.0, max(0.0, size / capacity))
+    if capacity <= 0:  # no capacity known: nothing to measure against
+        return Text("░" * width, "dim")
+    frac = min(1.0, max(0.0, size / capacity))
     filled = round(frac * width)
     if size > 0 and filled == 0:
         filled = 1  # something is waiting: show it
@@ -308,6 +312,9 @@ def top(url: str | None, container: str, interval: float, once: bool, json: bool
         if json:
             echo_json({**snap.as_dict(), "rates": r.as_dict()})
         else:
-            Console().print(render(snap, r, interval))
+            console = Console()
+            if not console.is_terminal:  # a pipe or a file: do not squeeze the tables
+                console = Console(width=PIPE_WIDTH)
+            console.print(render(snap, r, interval))
         return
     run_async(_live(url, container, interval))
