@@ -26,6 +26,7 @@ from rich.console import Console
 
 import qps
 from qps import keys
+from qps.cli.job import fmt_depth
 from qps.cli.main import cli
 from qps.cli.top import bar, render
 from qps.errors import NotFoundError
@@ -240,7 +241,8 @@ def test_bar() -> None:
     assert bar(8, 8, 8).plain == "█" * 8
     assert bar(4, 8, 8).plain == "████░░░░"
     assert bar(1, 1000, 10).plain == "█" + "░" * 9  # something waiting always shows
-    assert bar(5, 0, 4).plain == "░░░░"
+    assert bar(5, -1, 4).plain == "░░░░"  # unbounded
+    assert fmt_depth(5, -1) == "5/inf" and fmt_depth(3, 8) == "3/8"
 
 
 async def test_render_shows_workers_shards_and_queues(client):

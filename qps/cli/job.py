@@ -36,7 +36,7 @@ from qps.transport import Client
 from workers import job as job_marks
 from workers.monitor import JobSnapshot, snapshot
 
-__all__ = ["fmt_age", "fmt_loss", "fmt_opt", "fmt_rate", "job"]
+__all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_opt", "fmt_rate", "job"]
 
 
 def fmt_loss(v: float | None) -> str:
@@ -55,6 +55,11 @@ def fmt_age(v: float | None) -> str:
     if v < 3600:
         return f"{v / 60:.0f}m"
     return f"{v / 3600:.1f}h"
+
+
+def fmt_depth(size: int, capacity: int) -> str:
+    """``size/capacity`` (``inf`` for an unbounded queue, as ``qps queue ls``)."""
+    return f"{size}/{'inf' if capacity < 0 else capacity}"
 
 
 def fmt_opt(opt: dict[str, Any] | None) -> str:
@@ -146,7 +151,7 @@ def status_lines(snap: JobSnapshot) -> list[str]:
                 str(s.shard),
                 s.state,
                 f"{s.applied:,}",
-                "-" if s.queue is None else f"{s.queue.size}/{s.queue.capacity}",
+                "-" if s.queue is None else fmt_depth(s.queue.size, s.queue.capacity),
                 _p(s.lag),
                 _p(s.staleness_p50),
                 _p(s.staleness_p99),
@@ -162,7 +167,7 @@ def status_lines(snap: JobSnapshot) -> list[str]:
             [
                 q.name,
                 q.type,
-                f"{q.size}/{q.capacity}",
+                fmt_depth(q.size, q.capacity),
                 "yes" if q.closed else "no",
                 f"{q.enqueued_total:,}",
                 f"{q.dequeued_total:,}",

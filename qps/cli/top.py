@@ -34,7 +34,7 @@ from qps.cli import (
     run_async,
     url_option,
 )
-from qps.cli.job import fmt_age, fmt_loss, fmt_opt, fmt_rate
+from qps.cli.job import fmt_age, fmt_depth, fmt_loss, fmt_opt, fmt_rate
 from qps.errors import NotFoundError, QpsError
 from qps.transport import Client
 from workers.monitor import JobSnapshot, QueueRow, Rates, rates, snapshot
@@ -49,7 +49,7 @@ PIPE_WIDTH = 160
 
 def bar(size: int, capacity: int, width: int = BAR_WIDTH) -> Text:
     """A depth bar: ``size`` of ``capacity`` as filled cells, coloured by fullness."""
-    if capacity <= 0:  # no capacity known: nothing to measure against
+    if capacity <= 0:  # unbounded (-1): nothing to measure against
         return Text("░" * width, "dim")
     frac = min(1.0, max(0.0, size / capacity))
     filled = round(frac * width)
@@ -156,7 +156,7 @@ def _shards(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
             f"{s.applied:,}",
             fmt_rate(rate),
             _p(s.lag),
-            "-" if q is None else f"{q.size}/{q.capacity}",
+            "-" if q is None else fmt_depth(q.size, q.capacity),
             Text("") if q is None else bar(q.size, q.capacity),
             _p(s.staleness_p50),
             _p(s.staleness_p99),
@@ -187,7 +187,7 @@ def _queues(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
         t.add_row(
             q.name,
             q.type,
-            f"{q.size}/{q.capacity}",
+            fmt_depth(q.size, q.capacity),
             bar(q.size, q.capacity),
             fmt_rate(rate),
             f"{q.pending_enqueues}e/{q.pending_dequeues}d",
