@@ -259,4 +259,8 @@ def stop_command(url: str | None, container: str, yes: bool, timeout: float | No
     for w in snap.workers:
         click.echo(f"  {w.name}: {w.state}, {w.step:,} step(s)")
     for s in snap.shards:
-        click.echo(f"  shard {s.shard}: {s.state}, lag {_p(s.lag)}")
+        draining = s.state == "running" and snap.finished
+        click.echo(
+            f"  shard {s.shard}: {s.state}"
+            + (f", draining its queue ({_p(s.lag)} message(s) left)" if draining else "")
+        )
