@@ -253,3 +253,43 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
     assert [s.state for s in snap.shards] == ["finished"]
     # every step a worker pushed was applied exactly once before the shard exited
     assert snap.global_step == sum(w.step for w in snap.workers) == result["global_step"]
+
+
+@pytest.mark.timeout(240)
+def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
+    """Without the finished mark (so no push fails), a worker sees the stop request at
+    its next status publish and stops there; `qps train` then finishes the job as at a
+    normal end."""
+    c = _container()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    train = subprocess.Popen(
+        _qps("train", "--url", redis_url, "--container", c, "--ps", "1", "--workers", "1",
+             "--steps", "1000000", "--log-every", "10", "--json"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+    try:
+
+        async def training(cl: qps.Client) -> bool:
+            statuses = await job.read_statuses(cl, c)
+            return int(statuses.get("worker0", {}).get("step", 0)) >= 10
+
+        end = time.monotonic() + 120
+        while not _run(redis_url, training):
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            assert time.monotonic() < end, "the job did not start training"
+            time.sleep(0.2)
+        assert not _run(redis_url, lambda cl: control.is_finished(cl, c))
+        _run(redis_url, lambda cl: job.request_stop(cl, c, "test"))
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 0, err[-3000:]
+    assert json.loads(out)["stopped"] == "finished"
+    assert "worker0: stopped after" in err and "stop requested (test)" in err, err[-3000:]
+    snap = _run(redis_url, lambda cl: monitor.snapshot(cl, c))
+    (w,) = snap.workers
+    assert w.state == "done" and w.step % 10 == 0  # it stopped at a status publish
+    assert snap.global_step == w.step
