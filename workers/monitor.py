@@ -15,6 +15,7 @@ changed, the previous rate (``last``) is kept.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -224,21 +225,23 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
         global_step = 0
     done = await job.finished_workers(client, container)
 
-    shard_statuses = (
-        [await control.shard_status(client, container, i) for i in range(cfg.num_shards)]
-        if cfg is not None
-        else []
+    n = 0 if cfg is None else cfg.num_shards
+    # one round trip's latency for all shards, not one per shard
+    shard_statuses = await asyncio.gather(
+        *(control.shard_status(client, container, i) for i in range(n))
+    )
+    grad_rows = await asyncio.gather(
+        *(_queue_row(client, keys.ps_gradient_queue(i), container) for i in range(n))
     )
     per_worker: dict[str, dict[int, int]] = {}
     overall: dict[int, int] = {}
     shards = []
-    for st in shard_statuses:
+    for st, q in zip(shard_statuses, grad_rows):
         total: dict[int, int] = {}
         for w, hist in st.staleness.items():
             _hist_add(total, hist)
             _hist_add(per_worker.setdefault(w, {}), hist)
         _hist_add(overall, total)
-        q = await _queue_row(client, keys.ps_gradient_queue(st.shard), container)
         beat = _int(st.fields.get("heartbeat_ms"), -1)
         shards.append(
             ShardRow(
@@ -283,14 +286,10 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
             )
         )
 
-    grad_queues = {keys.ps_gradient_queue(i) for i in range(cfg.num_shards if cfg else 0)}
-    queues = []
-    for name in await list_queues(client, container):
-        if name in grad_queues:
-            continue
-        row = await _queue_row(client, name, container)
-        if row is not None:
-            queues.append(row)
+    grad_queues = {keys.ps_gradient_queue(i) for i in range(n)}
+    names = [q for q in await list_queues(client, container) if q not in grad_queues]
+    rows = await asyncio.gather(*(_queue_row(client, q, container) for q in names))
+    queues = [row for row in rows if row is not None]
 
     optimizer = None
     if cfg is not None and cfg.optimizer is not None:
