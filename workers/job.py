@@ -30,10 +30,14 @@ __all__ = [
     "mark_ready",
     "publish_status",
     "read_statuses",
+    "request_stop",
     "ssp_advance",
     "ssp_min_step",
     "ssp_wait",
+    "stop_requested",
     "wait_ready",
+    "wait_workers_done",
+    "worker_names",
 ]
 
 #: the longest a waiter blocks before it checks its condition again
@@ -144,13 +148,16 @@ async def read_statuses(client: Client, container: str) -> dict[str, dict[str, A
 
 async def finish_worker(client: Client, container: str, worker: str) -> int:
     """Record that ``worker`` is done; return how many workers are done (each counted
-    once, whatever its restarts)."""
+    once, whatever its restarts). Wakes a :func:`wait_workers_done` waiter."""
     done = _key(container, "done")
+    wake = _key(container, "done:wake")
     with map_errors():
         pipe = client.commands.pipeline(transaction=True)
         pipe.sadd(done, worker)
         pipe.scard(done)
-        _, n = await pipe.execute()
+        pipe.rpush(wake, 1)
+        pipe.ltrim(wake, -1, -1)
+        n = (await pipe.execute())[1]
     return int(n)
 
 
@@ -159,6 +166,79 @@ async def finished_workers(client: Client, container: str) -> set[str]:
     with map_errors():
         got = await client.commands.smembers(_key(container, "done"))
     return {m.decode() if isinstance(m, bytes) else str(m) for m in got}
+
+
+def worker_names(statuses: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The workers among published statuses (those with a ``state``: the chief's
+    ``eval`` record is not one), in index order (``worker2`` before ``worker10``)."""
+
+    def order(name: str) -> tuple[str, int, str]:
+        stem = name.rstrip("0123456789")
+        digits = name[len(stem) :]
+        return (stem, int(digits) if digits else -1, name)
+
+    return sorted((n for n, s in statuses.items() if "state" in s), key=order)
+
+
+async def wait_workers_done(
+    client: Client, container: str, timeout: float | None = None
+) -> list[str]:
+    """Block until every worker that has published a status is done (its status says
+    ``done``, or it is in the done set); return their names. Blocks in ``BLPOP`` on the
+    wake list :func:`finish_worker` pushes to.
+
+    Raises:
+        DeadlineExceededError: ``timeout`` seconds passed first (the message names the
+            workers not done).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    wake = _key(container, "done:wake")
+    while True:
+        statuses = await read_statuses(client, container)
+        finished = await finished_workers(client, container)
+        names = worker_names(statuses)
+        running = [n for n in names if n not in finished and statuses[n].get("state") != "done"]
+        if not running:
+            return names
+        block = WAKE_SECONDS
+        if deadline is not None:
+            block = min(block, deadline - time.monotonic())
+            if block <= 0:
+                raise DeadlineExceededError(
+                    f"worker(s) {', '.join(running)} of container '{container}' not done "
+                    f"within {timeout} s"
+                )
+        with map_errors():
+            await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+
+
+# -- stopping the job -------------------------------------------------------------------
+
+
+async def request_stop(
+    client: Client, container: str, reason: str = "qps job stop"
+) -> dict[str, Any]:
+    """Ask every worker of the job to stop after the step in hand (``qps job stop``):
+    record the request (JSON: ``reason``, ``time``) and return it. The first request
+    is kept; the mark lasts until the container is reset, so a restarted worker stops
+    at once too. Workers check it when they start and whenever they publish their
+    status; marking the PS job finished as well (:func:`qps.ps.control.mark_finished`)
+    makes their next push fail, which ends them sooner."""
+    record = {"reason": reason, "time": time.time()}
+    key = _key(container, "stop")
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=True)
+        pipe.set(key, json.dumps(record), nx=True)
+        pipe.get(key)
+        _, raw = await pipe.execute()
+    return dict(json.loads(raw))
+
+
+async def stop_requested(client: Client, container: str) -> dict[str, Any] | None:
+    """The stop request of the job (see :func:`request_stop`), or None."""
+    with map_errors():
+        raw = await client.commands.get(_key(container, "stop"))
+    return None if raw is None else dict(json.loads(raw))
 
 
 # -- bounded staleness (SSP) ------------------------------------------------------------------

@@ -23,7 +23,10 @@ involved), compute the loss and gradients, push one gradient message per PS shar
   the slowest running worker waits, blocked in Redis). Staleness in asynchronous mode
   is bounded by the shards' gradient queues, whose capacity makes a push wait.
 * **End**: after ``steps`` steps, when the global step reaches ``until_global_step``,
-  when the input queue ends, or on SIGTERM (after the step in hand). The last worker to
+  when the input queue ends, on SIGTERM (after the step in hand), or when ``qps job
+  stop`` asked (:func:`workers.job.request_stop`, checked at the start and with every
+  status publish; the finished mark it sets makes the next push fail, which also ends
+  the worker cleanly). The last worker to
   finish marks the PS job finished, so the shards drain their queues and exit 0.
 
 Each worker publishes its status (step, loss, examples/s, state) in the container for
@@ -305,10 +308,15 @@ class Worker:
         batches = self._batches(source)
         res.stopped_by = "end of input"
         pulled: tuple[dict[str, Any], dict[str, int]] | None = None
+        await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
+        stop_asked = await self._stop_asked()
         try:
             async for batch in batches:
                 if self.stop.is_set():
                     res.stopped_by = "signal"
+                    break
+                if stop_asked:
+                    res.stopped_by = stop_asked
                     break
                 if cfg.steps is not None and step >= cfg.steps:
                     res.stopped_by = f"{cfg.steps} steps"
@@ -356,20 +364,31 @@ class Worker:
                         cfg.name, step, res.global_step, loss, rate,
                     )  # fmt: skip
                     await self._publish("training", rate)
+                    stop_asked = await self._stop_asked()
                     if next_ckpt and res.global_step >= next_ckpt:
                         await self._checkpoint()
                         next_ckpt = (
                             res.global_step // cfg.checkpoint_every + 1
                         ) * cfg.checkpoint_every
         except CancelledError as exc:  # the job was finished under us
-            res.stopped_by = f"job finished ({exc})"
+            res.stopped_by = await self._stop_asked() or f"job finished ({exc})"
         finally:
             await batches.aclose()
         res.seconds = time.monotonic() - start
         res.ended_at = time.time()
         res.global_step = await sess.global_step()
         await self._publish("done", res.examples_per_second)
+        log.info(
+            "%s: stopped after %d step(s) (global step %d): %s",
+            cfg.name, res.steps, res.global_step, res.stopped_by,
+        )  # fmt: skip
         return res
+
+    async def _stop_asked(self) -> str:
+        """Why this worker must stop (``qps job stop``: :func:`workers.job.request_stop`),
+        or "" if nobody asked."""
+        got = await job.stop_requested(self.sess.client, self.cfg.container)
+        return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
 
     async def _checkpoint(self) -> None:
         assert self.cfg.checkpoint_dir

@@ -27,8 +27,10 @@ from qps.cli import (
 from qps.cli.checkpoint import checkpoint
 from qps.cli.container import container
 from qps.cli.demo import demo
+from qps.cli.job import job
 from qps.cli.ps import ps
 from qps.cli.queue import queue
+from qps.cli.top import top
 from qps.cli.train import train
 from qps.cli.var import var
 from qps.cli.worker import worker
@@ -83,6 +85,8 @@ cli.add_command(var)
 cli.add_command(worker)
 cli.add_command(train)
 cli.add_command(ps)
+cli.add_command(job)
+cli.add_command(top)
 cli.add_command(checkpoint)
 cli.add_command(demo)
 

@@ -1,0 +1,266 @@
+"""``qps job``: look at a whole training job, and stop it.
+
+* ``qps job status``: one snapshot (:func:`workers.monitor.snapshot`): the PS config,
+  finished or not, the global step, a row per worker, per shard and per other queue.
+* ``qps job stop``: ask every worker to stop after the step in hand
+  (:func:`workers.job.request_stop`) and mark the PS job finished
+  (:func:`qps.ps.control.mark_finished`: the shards drain their queues and exit 0);
+  with ``--timeout``, wait until every worker is done.
+
+``qps top`` (:mod:`qps.cli.top`) shows the same snapshot live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from qps.cli import (
+    EXIT_FAILURE,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    CliError,
+    connected,
+    container_option,
+    echo_json,
+    interactive,
+    json_option,
+    run_async,
+    table,
+    url_option,
+)
+from qps.errors import NotFoundError
+from qps.ps import control
+from qps.transport import Client
+from workers import job as job_marks
+from workers.monitor import JobSnapshot, snapshot
+
+__all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_opt", "fmt_rate", "job"]
+
+
+def fmt_loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def fmt_rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:,.1f}"
+
+
+def fmt_age(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v < 60:
+        return f"{v:.1f}s"
+    if v < 3600:
+        return f"{v / 60:.0f}m"
+    return f"{v / 3600:.1f}h"
+
+
+def fmt_depth(size: int, capacity: int) -> str:
+    """``size/capacity`` (``inf`` for an unbounded queue, as ``qps queue ls``)."""
+    return f"{size}/{'inf' if capacity < 0 else capacity}"
+
+
+def fmt_opt(opt: dict[str, Any] | None) -> str:
+    if opt is None:
+        return "no optimizer recorded"
+    args = ", ".join(f"{k}={v}" for k, v in opt.items() if k != "name")
+    return f"{opt['name']}({args})"
+
+
+def _p(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+async def _snapshot(url: str | None, container: str) -> JobSnapshot:
+    async with connected(url) as client:
+        return await snapshot(client, container)
+
+
+@click.group(name="job")
+def job() -> None:
+    """Look at a whole training job (PS shards, workers, queues) or stop it.
+
+    \b
+    Subcommands: status, stop (see `qps job COMMAND --help`); `qps top` shows the
+    status live.
+    """
+
+
+@job.command(name="status")
+@url_option()
+@container_option
+@json_option
+def status_command(url: str | None, container: str, json: bool) -> None:
+    """One snapshot of the job in the container: the PS config (shards, optimizer),
+    its state (starting, running, done, stopping, finished), the global step; per
+    worker: state, steps, examples, last loss, examples/s and the age of its status;
+    per shard: state, messages applied, its gradient queue (depth/capacity), lag
+    (messages waiting), staleness p50/p99 and dead letters; every other queue's
+    depth/capacity. Exit code 3 when the container holds no job.
+
+    With --json: the snapshot as one object (see docs/operations.md).
+    """
+    snap = run_async(_snapshot(url, container))
+    if json:
+        echo_json(snap.as_dict())
+        return
+    for line in status_lines(snap):
+        click.echo(line)
+
+
+def status_lines(snap: JobSnapshot) -> list[str]:
+    """The text of ``qps job status`` for a :class:`workers.monitor.JobSnapshot`."""
+    shards = "no PS config" if snap.num_shards is None else f"{snap.num_shards} PS shard(s)"
+    out = [
+        f"container {snap.container}: job {snap.state}, global step {snap.global_step:,}, "
+        f"{shards}, {fmt_opt(snap.optimizer)}"
+    ]
+    if snap.stop_requested is not None:
+        out.append(f"stop requested: {snap.stop_requested.get('reason', '')}")
+    if snap.test_accuracy is not None:
+        out.append(f"test accuracy {snap.test_accuracy:.4f}")
+    stale = f"staleness p50 {_p(snap.staleness_p50)} / p99 {_p(snap.staleness_p99)}"
+    out.append(f"{stale}; dead letters {snap.dead_letters}")
+    out.append("")
+    if snap.workers:
+        header = ["WORKER", "STATE", "STEP", "EXAMPLES", "LOSS", "EXAMPLES/S", "P50", "P99", "AGE"]
+        rows = [
+            [
+                w.name,
+                w.state,
+                f"{w.step:,}",
+                f"{w.examples:,}",
+                fmt_loss(w.loss),
+                fmt_rate(w.examples_per_s),
+                _p(w.staleness_p50),
+                _p(w.staleness_p99),
+                fmt_age(w.age_s),
+            ]
+            for w in snap.workers
+        ]
+        out += table(header, rows, {2, 3, 4, 5, 6, 7, 8})
+    else:
+        out.append("no worker has published a status yet")
+    if snap.shards:
+        out.append("")
+        header = ["SHARD", "STATE", "APPLIED", "QUEUE", "LAG", "P50", "P99", "DLQ"]
+        rows = [
+            [
+                str(s.shard),
+                s.state,
+                f"{s.applied:,}",
+                "-" if s.queue is None else fmt_depth(s.queue.size, s.queue.capacity),
+                _p(s.lag),
+                _p(s.staleness_p50),
+                _p(s.staleness_p99),
+                str(s.dead_letters),
+            ]
+            for s in snap.shards
+        ]
+        out += table(header, rows, {0, 2, 3, 4, 5, 6, 7})
+    if snap.queues:
+        out.append("")
+        header = ["QUEUE", "TYPE", "DEPTH", "CLOSED", "ENQUEUED", "DEQUEUED", "DLQ"]
+        rows = [
+            [
+                q.name,
+                q.type,
+                fmt_depth(q.size, q.capacity),
+                "yes" if q.closed else "no",
+                f"{q.enqueued_total:,}",
+                f"{q.dequeued_total:,}",
+                str(q.dead_letters),
+            ]
+            for q in snap.queues
+        ]
+        out += table(header, rows, {2, 4, 5, 6})
+    return out
+
+
+# -- stop ------------------------------------------------------------------------------------
+
+
+async def _stop(
+    client: Client, container: str, yes: bool, timeout: float | None
+) -> tuple[int, list[str]]:
+    try:
+        snap = await snapshot(client, container)
+    except NotFoundError as exc:
+        raise CliError(str(exc), EXIT_NOT_FOUND) from exc
+    if not yes:
+        if not interactive():
+            raise CliError(
+                f"stopping the job in container '{container}' ends every worker and shard "
+                "and stdin is not a terminal to confirm it: pass --yes to stop it",
+                EXIT_USAGE,
+            )
+        busy = sum(not w.done for w in snap.workers)
+        question = (
+            f"Stop the job in container '{container}' (global step {snap.global_step:,}, "
+            f"{busy} worker(s) running, {len(snap.shards)} shard(s))?"
+        )
+        if not click.confirm(question, default=False, err=True):
+            raise CliError("not confirmed; the job goes on", EXIT_FAILURE)
+    await job_marks.request_stop(client, container)
+    closed = 0
+    if snap.num_shards is not None:
+        closed = await control.mark_finished(client, container)
+    done: list[str] = []
+    if timeout is not None:
+        done = await job_marks.wait_workers_done(client, container, timeout)
+    return closed, done
+
+
+async def _stop_main(
+    url: str | None, container: str, yes: bool, timeout: float | None
+) -> tuple[int, list[str], JobSnapshot]:
+    async with connected(url) as client:
+        closed, done = await _stop(client, container, yes, timeout)
+        return closed, done, await snapshot(client, container)
+
+
+@job.command(name="stop")
+@url_option()
+@container_option
+@click.option(
+    "--yes",
+    "-y",
+    is_flag=True,
+    default=False,
+    help="Do not ask for confirmation (required when stdin is not a terminal).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Wait up to this long until every worker is done (exit code 4 if not).",
+)
+def stop_command(url: str | None, container: str, yes: bool, timeout: float | None) -> None:
+    """Stop the job in the container: every worker stops after the step in hand,
+    records itself done and exits 0; the PS job is marked finished, so the shards apply
+    what their queues hold and exit 0 (a push after that fails, which ends a worker at
+    once). The stop mark stays until the container is reset: a restarted worker stops
+    at once.
+
+    Asks for confirmation unless --yes. With --timeout, waits until every worker that
+    published a status is done, then prints each role's state.
+    """
+    closed, done, snap = run_async(_stop_main(url, container, yes, timeout))
+    click.echo(
+        f"stop requested for the job in container '{container}'"
+        + (f"; PS job marked finished ({closed} gradient queue(s) closed)" if closed else "")
+    )
+    if timeout is None:
+        return
+    click.echo(f"{len(done)} worker(s) done at global step {snap.global_step:,}")
+    for w in snap.workers:
+        click.echo(f"  {w.name}: {w.state}, {w.step:,} step(s)")
+    for s in snap.shards:
+        draining = s.state == "running" and snap.finished
+        click.echo(
+            f"  shard {s.shard}: {s.state}"
+            + (f", draining its queue ({_p(s.lag)} message(s) left)" if draining else "")
+        )

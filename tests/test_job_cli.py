@@ -1,0 +1,295 @@
+"""`qps job status` and `qps job stop`, the stop mark and the wait for done workers
+(workers/job.py) on fakeredis and a real server, and a real `qps train` job stopped by
+`qps job stop`: every worker stops after its step, every role exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+import qps
+from qps.cli.main import cli
+from qps.errors import DeadlineExceededError, NotFoundError
+from qps.ps import control
+from tests.conftest import pending
+from tests.test_top import build_job
+from workers import job, monitor
+
+REPO = str(Path(__file__).resolve().parents[1])
+C = "jobcli"
+
+
+# -- the stop mark and the wait, on both backends -------------------------------------------
+
+
+async def test_request_stop_keeps_the_first_request(client):
+    assert await job.stop_requested(client, C) is None
+    first = await job.request_stop(client, C, "maintenance")
+    assert first["reason"] == "maintenance" and first["time"] > 0
+    again = await job.request_stop(client, C, "another")
+    assert again == first == await job.stop_requested(client, C)
+
+
+async def test_wait_workers_done_blocks_until_the_last_one_finishes(make_client):
+    waiter_client, worker = await make_client(), await make_client()
+    assert await job.wait_workers_done(waiter_client, C, timeout=0.01) == []  # none known
+    await job.publish_status(worker, C, "worker0", {"state": "training", "step": 3})
+    await job.publish_status(worker, C, "worker1", {"state": "done", "step": 5})
+    await job.publish_status(worker, C, "eval", {"test_accuracy": 0.5})  # not a worker
+    with pytest.raises(DeadlineExceededError, match="worker0 of container 'jobcli' not done"):
+        await job.wait_workers_done(waiter_client, C, timeout=0.05)
+    waiter = asyncio.create_task(job.wait_workers_done(waiter_client, C, timeout=30))
+    await asyncio.sleep(0.05)
+    assert pending(waiter)
+    await job.finish_worker(worker, C, "worker0")  # recorded done: wakes the waiter
+    assert await asyncio.wait_for(waiter, 10) == ["worker0", "worker1"]
+
+
+def test_worker_names_in_index_order() -> None:
+    statuses: dict[str, dict[str, Any]] = {
+        n: {"state": "training"} for n in ["worker10", "worker2", "worker0", "chief"]
+    }
+    statuses["eval"] = {"test_accuracy": 1.0}
+    assert job.worker_names(statuses) == ["chief", "worker0", "worker2", "worker10"]
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def _container() -> str:
+    return f"jobcli-{secrets.token_hex(4)}"
+
+
+def invoke(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def _run(url: str, fn: Any) -> Any:
+    async def go() -> Any:
+        async with await qps.connect(url) as c:
+            return await fn(c)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def built(redis_url: str) -> str:
+    c = _container()
+    _run(redis_url, lambda cl: build_job(cl, c))
+    return c
+
+
+def test_status_text_and_json(redis_url: str, built: str) -> None:
+    r = invoke("job", "status", "--url", redis_url, "--container", built)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == (
+        f"container {built}: job running, global step 7, 2 PS shard(s), sgd(learning_rate=0.1)"
+    )
+    assert "test accuracy 0.7500" in r.output and "dead letters 2" in r.output
+    w0 = next(x for x in lines if x.startswith("worker0"))
+    assert w0.split()[:6] == ["worker0", "training", "10", "640", "0.5000", "100"]
+    shard0 = next(x for x in lines if x.split()[:2] == ["0", "running"])
+    assert shard0.split()[2:8] == [
+        "10",
+        "3/8",
+        "3",
+        "2",
+        "3",
+        "0",
+    ]  # applied, queue, lag, p50, p99, dlq
+    shard1 = next(x for x in lines if x.split()[:2] == ["1", "finished"])
+    assert shard1.split()[-1] == "2"  # dead letters
+    assert any(x.split()[:3] == ["input", "FIFOQueue", "5/100"] for x in lines)
+
+    r = invoke("job", "status", "--json", "--url", redis_url, "--container", built)
+    d = json.loads(r.output)
+    assert d["global_step"] == 7 and d["num_shards"] == 2 and d["state"] == "running"
+    assert [w["name"] for w in d["workers"]] == ["worker0", "worker1"]
+    assert d["shards"][0]["lag"] == 3 and d["shards"][1]["dead_letters"] == 2
+
+
+def test_status_not_found(redis_url: str) -> None:
+    r = invoke("job", "status", "--url", redis_url, "--container", _container())
+    assert r.exit_code == 3 and "no training job in container" in r.output
+
+
+def test_stop_asks_unless_yes(redis_url: str, built: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = invoke("job", "stop", "--url", redis_url, "--container", built)
+    assert r.exit_code == 2 and "pass --yes" in r.output  # stdin is not a terminal
+    monkeypatch.setattr("qps.cli.job.interactive", lambda: True)
+    r = invoke("job", "stop", "--url", redis_url, "--container", built, input="n\n")
+    assert r.exit_code == 1 and "not confirmed" in r.output
+    assert "global step 7, 1 worker(s) running, 2 shard(s)" in r.output
+    snap = _run(redis_url, lambda cl: monitor.snapshot(cl, built))
+    assert snap.stop_requested is None and not snap.finished  # nothing changed
+    r = invoke("job", "stop", "--url", redis_url, "--container", built, input="y\n")
+    assert r.exit_code == 0 and "stop requested" in r.output
+
+
+def test_stop_marks_the_job_and_waits_for_the_workers(redis_url: str, built: str) -> None:
+    r = invoke("job", "stop", "--yes", "--timeout", "0.2", "--url", redis_url, "--container", built)
+    assert r.exit_code == 4, r.output  # worker0 never ends here
+    assert "worker0" in r.output and "not done within 0.2 s" in r.output
+    snap = _run(redis_url, lambda cl: monitor.snapshot(cl, built))
+    assert snap.finished and snap.stop_requested is not None and snap.state == "finished"
+    assert snap.shards[0].queue is not None and snap.shards[0].queue.closed
+    # a push now fails: this is what ends a worker in the middle of a step
+    assert _run(redis_url, lambda cl: control.is_finished(cl, built))
+
+    async def worker0_ends(cl: qps.Client) -> None:
+        await job.publish_status(cl, built, "worker0", {"state": "done", "step": 11})
+        await job.finish_worker(cl, built, "worker0")
+
+    _run(redis_url, worker0_ends)
+    r = invoke("job", "stop", "-y", "--timeout", "10", "--url", redis_url, "--container", built)
+    assert r.exit_code == 0, r.output
+    assert "2 worker(s) done at global step 7" in r.output
+    assert "worker0: done, 11 step(s)" in r.output and "shard 1: finished" in r.output
+
+
+def test_stop_not_found(redis_url: str) -> None:
+    r = invoke("job", "stop", "--yes", "--url", redis_url, "--container", _container())
+    assert r.exit_code == 3 and "no training job" in r.output
+
+
+# -- a real job ------------------------------------------------------------------------------
+
+
+def _qps(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qps.cli.main", *args]
+
+
+@pytest.mark.timeout(240)
+def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
+    """`qps train` (1 shard, 2 workers, a million steps each) on the test server; once
+    both workers train, `qps top --once --json` sees them move and `qps job stop`
+    ends the job: the workers log why they stopped and the whole run exits 0."""
+    c = _container()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    train = subprocess.Popen(
+        _qps(
+            "train",
+            "--url",
+            redis_url,
+            "--container",
+            c,
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            "--steps",
+            "1000000",
+            "--log-every",
+            "10",
+            "--json",
+        ),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+
+        async def training(cl: qps.Client) -> bool:
+            try:
+                snap = await monitor.snapshot(cl, c)
+            except NotFoundError:
+                return False
+            return len(snap.workers) == 2 and all(w.step >= 10 for w in snap.workers)
+
+        end = time.monotonic() + 120
+        while not _run(redis_url, training):
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            assert time.monotonic() < end, "the job did not start training"
+            time.sleep(0.2)
+
+        top = subprocess.run(
+            _qps(
+                "top", "--once", "--json", "--interval", "0.5", "--url", redis_url, "--container", c
+            ),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert top.returncode == 0, top.stderr
+        d = json.loads(top.stdout)
+        assert [w["state"] for w in d["workers"]] == ["training", "training"]
+        assert d["rates"]["global_steps_per_s"] > 0 and d["shards"][0]["state"] == "running"
+
+        stop = subprocess.run(
+            _qps("job", "stop", "--yes", "--timeout", "60", "--url", redis_url, "--container", c),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=90,
+        )
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "2 worker(s) done" in stop.stdout
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["stopped"] == "finished" and result["failed"] == {}
+    for w in ("worker0", "worker1"):
+        assert f"{w}: stopped after" in err and "stop requested (qps job stop)" in err, err[-3000:]
+    snap = _run(redis_url, lambda cl: monitor.snapshot(cl, c))
+    assert snap.state == "finished" and [w.state for w in snap.workers] == ["done", "done"]
+    assert [s.state for s in snap.shards] == ["finished"]
+    # every step a worker pushed was applied exactly once before the shard exited
+    assert snap.global_step == sum(w.step for w in snap.workers) == result["global_step"]
+
+
+@pytest.mark.timeout(240)
+def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
+    """Without the finished mark (so no push fails), a worker sees the stop request at
+    its next status publish and stops there; `qps train` then finishes the job as at a
+    normal end."""
+    c = _container()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    train = subprocess.Popen(
+        _qps("train", "--url", redis_url, "--container", c, "--ps", "1", "--workers", "1",
+             "--steps", "1000000", "--log-every", "10", "--json"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+    try:
+
+        async def training(cl: qps.Client) -> bool:
+            statuses = await job.read_statuses(cl, c)
+            return int(statuses.get("worker0", {}).get("step", 0)) >= 10
+
+        end = time.monotonic() + 120
+        while not _run(redis_url, training):
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            assert time.monotonic() < end, "the job did not start training"
+            time.sleep(0.2)
+        assert not _run(redis_url, lambda cl: control.is_finished(cl, c))
+        _run(redis_url, lambda cl: job.request_stop(cl, c, "test"))
+        out, err = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 0, err[-3000:]
+    assert json.loads(out)["stopped"] == "finished"
+    assert "worker0: stopped after" in err and "stop requested (test)" in err, err[-3000:]
+    snap = _run(redis_url, lambda cl: monitor.snapshot(cl, c))
+    (w,) = snap.workers
+    assert w.state == "done" and w.step % 10 == 0  # it stopped at a status publish
+    assert snap.global_step == w.step

@@ -1,0 +1,377 @@
+"""One read-only snapshot of a training job, and rates from two of them: what ``qps job
+status`` prints and ``qps top`` refreshes.
+
+:func:`snapshot` reads everything from Redis (works from any machine that reaches it):
+the PS config (:mod:`qps.ps.control`), the finished and stop marks, the global step,
+each worker's published status (:mod:`workers.job`), each shard's status with its
+gradient queue, and every other queue of the container. Nothing is written.
+
+:func:`rates` turns two successive snapshots into per-second rates: global steps,
+each worker's steps, each shard's applied messages, each queue's dequeues. Workers
+publish their status every ``log_every`` steps, so a worker's rate is its step
+difference over the difference of its *status* times; while its status has not
+changed, the previous rate (``last``) is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from qps import keys
+from qps.errors import NotFoundError
+from qps.ps import control
+from qps.queues.inspect import QueueStats, list_queues, queue_stats
+from qps.transport import Client
+from workers import job
+
+__all__ = [
+    "JobSnapshot",
+    "QueueRow",
+    "Rates",
+    "ShardRow",
+    "WorkerRow",
+    "job_exists",
+    "rates",
+    "snapshot",
+]
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    """One queue: ``size`` elements stored of ``capacity``; ``pending_enqueues``:
+    callers blocked on a full queue; ``dead_letters``: elements set aside."""
+
+    name: str
+    type: str
+    size: int
+    capacity: int
+    closed: bool
+    enqueued_total: int
+    dequeued_total: int
+    pending_enqueues: int
+    pending_dequeues: int
+    dead_letters: int
+
+    @classmethod
+    def of(cls, st: QueueStats) -> QueueRow:
+        return cls(
+            name=st.name,
+            type=st.spec.class_name,
+            size=st.size,
+            capacity=st.spec.capacity,
+            closed=st.closed,
+            enqueued_total=st.enqueued_total,
+            dequeued_total=st.dequeued_total,
+            pending_enqueues=st.pending_enqueues,
+            pending_dequeues=st.pending_dequeues,
+            dead_letters=st.dead_letters,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """A worker's last published status.
+
+    ``age_s``: seconds since it was published (by the snapshot's clock: mind clock skew
+    between machines); ``done``: its status says ``done`` or it recorded itself done;
+    ``staleness_*``: its gradients' staleness over every shard (``messages`` counted).
+    """
+
+    name: str
+    state: str
+    step: int
+    examples: int
+    loss: float | None
+    examples_per_s: float | None
+    global_step: int | None
+    status_time: float | None
+    age_s: float | None
+    done: bool
+    messages: int
+    staleness_p50: int | None
+    staleness_p99: int | None
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    """A PS shard: its state and counters (see :class:`qps.ps.control.ShardStatus`),
+    its gradient ``queue`` (None if it does not exist yet), ``lag``: messages waiting
+    for it (stored in the queue plus pushes blocked on the full queue), and the
+    staleness percentiles of what it applied (all workers)."""
+
+    shard: int
+    state: str
+    owner: str | None
+    token: int | None
+    applied: int
+    skipped: int
+    variables: int
+    dead_letters: int
+    queue: QueueRow | None
+    lag: int | None
+    messages: int
+    staleness_p50: int | None
+    staleness_p99: int | None
+    heartbeat_age_s: float | None
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """Everything :func:`snapshot` read, at wall-clock ``time``."""
+
+    container: str
+    time: float
+    num_shards: int | None
+    optimizer: dict[str, Any] | None
+    ready: dict[str, Any] | None
+    finished: bool
+    stop_requested: dict[str, Any] | None
+    global_step: int
+    test_accuracy: float | None
+    workers: tuple[WorkerRow, ...]
+    shards: tuple[ShardRow, ...]
+    queues: tuple[QueueRow, ...]
+    staleness_p50: int | None
+    staleness_p99: int | None
+
+    @property
+    def dead_letters(self) -> int:
+        """Messages refused by the shards plus elements set aside by any queue."""
+        shards = sum(s.dead_letters for s in self.shards)
+        queues = sum(q.dead_letters for q in self.queues)
+        grads = sum(s.queue.dead_letters for s in self.shards if s.queue is not None)
+        return shards + queues + grads
+
+    @property
+    def state(self) -> str:
+        """``finished`` (the PS job was marked finished), ``stopping`` (a stop was
+        requested), ``done`` (every worker done), ``running`` or ``starting`` (no worker
+        status yet)."""
+        if self.finished:
+            return "finished"
+        if self.stop_requested is not None:
+            return "stopping"
+        if self.workers and all(w.done for w in self.workers):
+            return "done"
+        return "running" if self.workers else "starting"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = self.state
+        d["dead_letters"] = self.dead_letters
+        return d
+
+
+async def job_exists(client: Client, container: str) -> bool:
+    """Whether ``container`` holds a training job: a PS config, a ready mark or a
+    worker status."""
+    if await control.read_config(client, container) is not None:
+        return True
+    if await job.is_ready(client, container) is not None:
+        return True
+    return bool(await job.read_statuses(client, container))
+
+
+def _hist_add(total: dict[int, int], hist: Mapping[int, int]) -> None:
+    for b, n in hist.items():
+        total[b] = total.get(b, 0) + n
+
+
+def _int(x: Any, default: int = 0) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(x: Any) -> float | None:
+    try:
+        return None if x is None else float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+async def _queue_row(client: Client, name: str, container: str) -> QueueRow | None:
+    try:
+        return QueueRow.of(await queue_stats(client, name, container))
+    except NotFoundError:
+        return None
+
+
+async def snapshot(client: Client, container: str) -> JobSnapshot:
+    """Read the job of ``container`` (see the module docstring).
+
+    Raises:
+        NotFoundError: the container holds no training job (no PS config, no ready
+            mark, no worker status).
+    """
+    now = time.time()
+    cfg = await control.read_config(client, container)
+    ready = await job.is_ready(client, container)
+    statuses = await job.read_statuses(client, container)
+    if cfg is None and ready is None and not statuses:
+        raise NotFoundError(
+            f"no training job in container '{container}' (no PS config, no worker status)"
+        )
+    finished = await control.is_finished(client, container)
+    stop = await job.stop_requested(client, container)
+    try:
+        global_step = await control.global_step_counter(client, container).get()
+    except NotFoundError:
+        global_step = 0
+    done = await job.finished_workers(client, container)
+
+    n = 0 if cfg is None else cfg.num_shards
+    # one round trip's latency for all shards, not one per shard
+    shard_statuses = await asyncio.gather(
+        *(control.shard_status(client, container, i) for i in range(n))
+    )
+    grad_rows = await asyncio.gather(
+        *(_queue_row(client, keys.ps_gradient_queue(i), container) for i in range(n))
+    )
+    per_worker: dict[str, dict[int, int]] = {}
+    overall: dict[int, int] = {}
+    shards = []
+    for st, q in zip(shard_statuses, grad_rows):
+        total: dict[int, int] = {}
+        for w, hist in st.staleness.items():
+            _hist_add(total, hist)
+            _hist_add(per_worker.setdefault(w, {}), hist)
+        _hist_add(overall, total)
+        beat = _int(st.fields.get("heartbeat_ms"), -1)
+        shards.append(
+            ShardRow(
+                shard=st.shard,
+                state=st.state,
+                owner=st.owner,
+                token=st.token,
+                applied=st.applied,
+                skipped=st.skipped,
+                variables=st.variables,
+                dead_letters=st.dead_letters,
+                queue=q,
+                lag=None if q is None else q.size + q.pending_enqueues,
+                messages=sum(total.values()),
+                staleness_p50=control.staleness_percentile(total, 0.5),
+                staleness_p99=control.staleness_percentile(total, 0.99),
+                heartbeat_age_s=None if beat < 0 else max(0.0, now - beat / 1000),
+            )
+        )
+
+    workers = []
+    for name in job.worker_names(statuses):
+        s = statuses[name]
+        t = _float(s.get("time"))
+        hist = per_worker.get(name, {})
+        gs = s.get("global_step")
+        workers.append(
+            WorkerRow(
+                name=name,
+                state=str(s.get("state")),
+                step=_int(s.get("step")),
+                examples=_int(s.get("examples")),
+                loss=_float(s.get("loss")),
+                examples_per_s=_float(s.get("examples_per_s")),
+                global_step=None if gs is None else _int(gs),
+                status_time=t,
+                age_s=None if t is None else max(0.0, now - t),
+                done=name in done or s.get("state") == "done",
+                messages=sum(hist.values()),
+                staleness_p50=control.staleness_percentile(hist, 0.5),
+                staleness_p99=control.staleness_percentile(hist, 0.99),
+            )
+        )
+
+    grad_queues = {keys.ps_gradient_queue(i) for i in range(n)}
+    names = [q for q in await list_queues(client, container) if q not in grad_queues]
+    rows = await asyncio.gather(*(_queue_row(client, q, container) for q in names))
+    queues = [row for row in rows if row is not None]
+
+    optimizer = None
+    if cfg is not None and cfg.optimizer is not None:
+        optimizer = {"name": cfg.optimizer.name, **cfg.optimizer.hparams()}
+    return JobSnapshot(
+        container=container,
+        time=now,
+        num_shards=None if cfg is None else cfg.num_shards,
+        optimizer=optimizer,
+        ready=ready,
+        finished=finished,
+        stop_requested=stop,
+        global_step=global_step,
+        test_accuracy=_float(statuses.get("eval", {}).get("test_accuracy")),
+        workers=tuple(workers),
+        shards=tuple(shards),
+        queues=tuple(queues),
+        staleness_p50=control.staleness_percentile(overall, 0.5),
+        staleness_p99=control.staleness_percentile(overall, 0.99),
+    )
+
+
+# -- rates -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-second rates between two snapshots ``seconds`` apart (None: unknown, e.g.
+    a counter that went backwards after a reset, or a row missing from one snapshot)."""
+
+    seconds: float
+    global_steps_per_s: float | None
+    worker_steps_per_s: dict[str, float | None] = field(default_factory=dict)
+    shard_applies_per_s: dict[int, float | None] = field(default_factory=dict)
+    queue_dequeues_per_s: dict[str, float | None] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shard_applies_per_s"] = {str(k): v for k, v in self.shard_applies_per_s.items()}
+        return d
+
+
+def _per_s(before: int, after: int, seconds: float) -> float | None:
+    if seconds <= 0 or after < before:
+        return None
+    return (after - before) / seconds
+
+
+def rates(prev: JobSnapshot, cur: JobSnapshot, last: Rates | None = None) -> Rates:
+    """The rates between ``prev`` and ``cur`` (see the module docstring); ``last``: the
+    rates of the previous pair, whose worker rates are kept while a worker's status has
+    not changed."""
+    dt = cur.time - prev.time
+    before_w = {w.name: w for w in prev.workers}
+    workers: dict[str, float | None] = {}
+    for w in cur.workers:
+        old = before_w.get(w.name)
+        if w.done:
+            workers[w.name] = 0.0
+        elif old is None or old.status_time is None or w.status_time is None:
+            workers[w.name] = None
+        elif w.status_time > old.status_time:
+            workers[w.name] = _per_s(old.step, w.step, w.status_time - old.status_time)
+        else:  # no new status since: keep what we knew
+            workers[w.name] = None if last is None else last.worker_steps_per_s.get(w.name)
+    before_s = {s.shard: s for s in prev.shards}
+    shards = {
+        s.shard: _per_s(before_s[s.shard].applied, s.applied, dt) if s.shard in before_s else None
+        for s in cur.shards
+    }
+    all_q = {q.name: q for q in prev.queues}
+    all_q.update({s.queue.name: s.queue for s in prev.shards if s.queue is not None})
+    queues: dict[str, float | None] = {}
+    for q in [*cur.queues, *(s.queue for s in cur.shards if s.queue is not None)]:
+        old_q = all_q.get(q.name)
+        queues[q.name] = (
+            None if old_q is None else _per_s(old_q.dequeued_total, q.dequeued_total, dt)
+        )
+    return Rates(
+        seconds=dt,
+        global_steps_per_s=_per_s(prev.global_step, cur.global_step, dt),
+        worker_steps_per_s=workers,
+        shard_applies_per_s=shards,
+        queue_dequeues_per_s=queues,
+    )
