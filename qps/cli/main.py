@@ -56,10 +56,12 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 def cli(log_level: str) -> None:
     """qps: a parameter-server runtime on Redis and asyncio, with TensorFlow 1.x queues.
 
-    Run `qps demo` to move real tensors between two processes through a shared queue,
-    `qps queue ...` to inspect and close queues, `qps var ...` to inspect and print
-    variables, `qps container ...` to list, inspect and reset resource containers, and
-    `qps ps ...` to run a parameter-server shard and inspect a PS job, and
+    Run `qps train` to train a model with PS shards and workers on this machine (the
+    digits example by default), `qps ps` and `qps worker` to run those roles yourself,
+    `qps job status|stop` and `qps top` to watch and stop a running job, `qps demo` to
+    move real tensors between two processes through a shared queue, `qps queue ...` to
+    inspect and close queues, `qps var ...` to inspect and print variables,
+    `qps container ...` to list, inspect and reset resource containers, and
     `qps checkpoint ...` to save, restore and list checkpoints of a PS job.
 
     Every command takes --url (env QPS_REDIS_URL); without one it uses the local
