@@ -192,7 +192,7 @@ class _Owned:
 class _Item:
     """A delivery taken ahead of the apply, decoded (``msg``) or not (``error``)."""
 
-    delivery: Delivery
+    delivery: Delivery | None  # None: a message applied without one (tests)
     msg: GradientMessage | None = None
     error: str = ""
     nbytes: int = 0
@@ -553,6 +553,10 @@ class Shard:
                 elif inbox.error is not None:
                     raise inbox.error
                 elif inbox.done:
+                    if await q.size():  # given back after the reader found it drained
+                        inbox.done = False
+                        fetcher = asyncio.ensure_future(self._fetch(q, inbox))
+                        continue
                     self.log.info("the job is finished and my queue is drained: exiting")
                     return "finished"
             return "stopped"
@@ -560,7 +564,7 @@ class Shard:
             fetcher.cancel()
             toucher.cancel()
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
-            left = [it.delivery for it in inbox.items]
+            left = [it.delivery for it in inbox.items if it.delivery is not None]
             inbox.items.clear()
             if left:  # taken ahead, never applied: back to the front, in order
                 await self._settle(q, left, ack=False)
@@ -634,16 +638,17 @@ class Shard:
                 batch: list[_Item] = []
                 while inbox.items and not g.full(o.max_group, o.max_group_bytes):
                     item = inbox.take()
+                    assert item.delivery is not None
                     g.nbytes += item.nbytes
                     g.deliveries.append(item.delivery)
                     batch.append(item)
                 await self._absorb(q, g, batch)
-                if self._stop.is_set() or g.full(o.max_group, o.max_group_bytes):
+                left = deadline - loop.time()
+                if self._stop.is_set() or g.full(o.max_group, o.max_group_bytes) or left <= 0:
                     break
                 if inbox.items:
                     continue
-                left = deadline - loop.time()
-                if left <= 0 or inbox.done or inbox.error is not None:
+                if inbox.done or inbox.error is not None:
                     break
                 if not await q.size():  # nothing is coming: commit now
                     break
@@ -667,34 +672,44 @@ class Shard:
         if g.redo:  # a variable refused a commit as 'dup' and was reloaded: send it all again
             await self._settle(q, g.deliveries, ack=False)
             return
-        if not await self._settle(q, g.deliveries, ack=True):
+        try:
+            acked = await self._settle(q, g.deliveries, ack=True)
+        except BaseException:  # give them back now (they are skipped) if Redis lets us
+            await self._settle(q, g.deliveries, ack=False)
+            raise
+        if not acked:
             return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
         await self._released(g)
 
-    async def _absorb(self, q: QueueBase, g: _Group, batch: list[_Item]) -> None:
+    async def _absorb(self, q: QueueBase | None, g: _Group, batch: list[_Item]) -> None:
         """Add ``batch`` to the group: dead-letter what must not be applied (acked at
         once), skip what was applied before, and apply the rest in order."""
-        msgs: list[tuple[_Item, GradientMessage]] = []
+        valid: list[_Item] = []
         for item in batch:
             if item.msg is None:
-                await self._dead_letter(None, item.error, raw=_raw(item.delivery.value))
+                await self._reject(q, g, item, item.error, None)
+                continue
+            try:
+                await self._check(item.msg)
+            except _Rejected as rej:
+                await self._reject(q, g, item, rej.reason, rej.variable)
             else:
-                try:
-                    await self._check(item.msg)
-                except _Rejected as rej:
-                    await self._dead_letter(
-                        item.msg, rej.reason, variable=rej.variable, raw=_raw(item.delivery.value)
-                    )
-                else:
-                    msgs.append((item, item.msg))
-                    continue
+                valid.append(item)
+        if valid:
+            await self._apply_batch(q, g, valid)
+
+    async def _reject(
+        self, q: QueueBase | None, g: _Group, item: _Item, reason: str, variable: str | None
+    ) -> None:
+        """Dead-letter ``item`` (nothing of it was applied) and ack it at once."""
+        await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.delivery))
+        if item.delivery is not None and q is not None:
             g.deliveries = [d for d in g.deliveries if d is not item.delivery]
             await self._settle(q, [item.delivery], ack=True)
-        if msgs:
-            await self._apply_batch(g, [m for _, m in msgs])
 
     async def _check(self, msg: GradientMessage) -> None:
-        """Raise _Rejected if ``msg`` must not be applied."""
+        """Raise _Rejected if ``msg`` must not be applied (NaN and Inf are checked with
+        the apply, see _run_rules)."""
         if msg.shard != self.shard:
             raise _Rejected(f"message for shard {msg.shard} arrived at shard {self.shard}")
         for name, g in msg.grads.items():
@@ -703,8 +718,6 @@ class Shard:
                 check_gradient(name, o.var.spec, g)
             except InvalidArgumentError as exc:
                 raise _Rejected(str(exc), name) from None
-            if not is_finite(g):
-                raise _Rejected(f"gradient of '{name}' holds NaN or Inf", name)
 
     async def _applied_flags(
         self, msgs: list[GradientMessage]
@@ -727,31 +740,46 @@ class Shard:
             gs.append(bool(m.global_step and next(replies) is not None))
         return flags, gs
 
-    async def _apply_batch(self, g: _Group, msgs: list[GradientMessage]) -> None:
-        """Apply ``msgs`` (valid, in order) to the in-memory state, recording in ``g``
-        what each variable must commit."""
-        assert self.optimizer is not None
+    async def _apply_batch(self, q: QueueBase | None, g: _Group, items: list[_Item]) -> None:
+        """Apply the messages of ``items`` (checked, in order) to the in-memory state,
+        recording in ``g`` what each variable must commit."""
+        msgs = [it.msg for it in items if it.msg is not None]
         flags, gs_done = await self._applied_flags(msgs)
-        work: list[tuple[_Owned, Any, int]] = []
+        plan: list[tuple[_Item, GradientMessage, list[str], bool]] = []
+        work: list[list[tuple[_Owned, Any]]] = []
         work_bytes = 0
-        for m, f, gs in zip(msgs, flags, gs_done):
+        for item, m, f, gs in zip(items, msgs, flags, gs_done):
             if m.id in g.ids:  # the same message twice (a lease ran out): applied once
                 g.skipped += 1
                 continue
-            g.ids.add(m.id)
-            g.msgs.append(m)
-            before = [n for n, done in f.items() if done]
-            if before and len(before) < len(f):
+            fresh = [n for n, done in f.items() if not done]
+            if fresh and len(fresh) < len(f):
                 self.log.info(
                     "message %s was partly applied before (redelivery): skipping %s",
                     m.id,
-                    ", ".join(before),
+                    ", ".join(n for n, done in f.items() if done),
                 )
+            plan.append((item, m, fresh, bool(m.global_step and not gs)))
+            work.append([(self.owned[n], m.grads[n]) for n in fresh])
+            work_bytes += sum(m.grads[n].nbytes for n in fresh)
+            g.ids.add(m.id)
+        for w in work:
+            for o, _ in w:
+                g.touched.add(o.var.name)
+        counts = {name: len(v.ids) for name, v in g.vars.items()}
+        if work_bytes >= THREAD_MIN_BYTES:
+            # NumPy releases the GIL in large ufuncs: the next messages are read meanwhile
+            poisoned = await asyncio.to_thread(self._run_rules, work, counts)
+        else:
+            poisoned = self._run_rules(work, counts)
+        for k, (item, m, fresh, gs_needed) in enumerate(plan):
+            if k in poisoned:
+                g.ids.discard(m.id)
+                await self._reject(q, g, item, poisoned[k][1], poisoned[k][0])
+                continue
+            g.msgs.append(m)
             staleness = -1
-            fresh_vars = []
-            for name, grad in m.grads.items():
-                if f[name]:
-                    continue
+            for name in fresh:
                 o = self.owned[name]
                 v = g.vars.get(name)
                 if v is None:
@@ -760,6 +788,7 @@ class Shard:
                 if read is not None:
                     staleness = max(staleness, max(0, o.version + len(v.ids) - read))
                 v.ids.append(m.id)
+                grad = m.grads[name]
                 if isinstance(grad, SparseGradient):
                     v.rows.append(grad.indices)
                     g.rows += int(grad.indices.shape[0])
@@ -767,36 +796,37 @@ class Shard:
                     v.dense = True
                     g.rows += int(grad.shape[0]) if grad.ndim else 1
                 g.bytes += grad.nbytes
-                work.append((o, grad, o.t + len(v.ids)))
-                work_bytes += grad.nbytes
-                fresh_vars.append(name)
-            if m.global_step and not gs:
+            if gs_needed:
                 g.gs_ids.append(m.id)
-            if fresh_vars or (m.global_step and not gs):
+            if fresh or gs_needed:
                 g.fresh += 1
                 if staleness >= 0:
                     g.stale.append((m.worker, staleness))
             elif m.grads or m.global_step:
                 g.skipped += 1
                 self.log.info("message %s was applied before (redelivery): skipped", m.id)
-        if not work:
-            return
-        for o, _, _ in work:
-            g.touched.add(o.var.name)
-        if work_bytes >= THREAD_MIN_BYTES:
-            # NumPy releases the GIL in large ufuncs: the next messages are read meanwhile
-            await asyncio.to_thread(self._run_rules, work)
-        else:
-            self._run_rules(work)
 
-    def _run_rules(self, work: list[tuple[_Owned, Any, int]]) -> None:
+    def _run_rules(
+        self, work: list[list[tuple[_Owned, Any]]], counts: dict[str, int]
+    ) -> dict[int, tuple[str, str]]:
+        """Apply each message's gradients in order, ``t`` counting on from ``counts``
+        (updates already applied in the group, per variable). A message with NaN or Inf
+        in any gradient is not applied at all: returns {its index: (variable, reason)}."""
         opt = self.optimizer
         assert opt is not None
-        for o, grad, t in work:
-            if isinstance(grad, SparseGradient):
-                opt.apply_sparse(o.value, grad.indices, grad.values, o.slots, t)
-            else:
-                opt.apply_dense(o.value, grad, o.slots, t)
+        poisoned: dict[int, tuple[str, str]] = {}
+        for k, grads in enumerate(work):
+            bad = next((o.var.name for o, grad in grads if not is_finite(grad)), None)
+            if bad is not None:
+                poisoned[k] = (bad, f"gradient of '{bad}' holds NaN or Inf")
+                continue
+            for o, grad in grads:
+                n = counts[o.var.name] = counts.get(o.var.name, 0) + 1
+                if isinstance(grad, SparseGradient):
+                    opt.apply_sparse(o.value, grad.indices, grad.values, o.slots, o.t + n)
+                else:
+                    opt.apply_dense(o.value, grad, o.slots, o.t + n)
+        return poisoned
 
     async def _commit_group(self, g: _Group) -> None:
         """Commit every variable the group changed (value, slots, ``t`` and all its
@@ -851,7 +881,7 @@ class Shard:
         is then "killed" before the ack)."""
         g = _Group()
         try:
-            await self._apply_batch(g, [msg])
+            await self._apply_batch(None, g, [_Item(None, msg)])
             await self._commit_group(g)
         except BaseException:
             self._forget(g)
@@ -952,7 +982,8 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def _raw(value: Any) -> bytes:
+def _raw(delivery: Delivery | None) -> bytes:
+    value = None if delivery is None else delivery.value
     if isinstance(value, np.ndarray) and value.dtype == np.uint8:
         return value.tobytes()
     return b""
