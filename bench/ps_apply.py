@@ -53,11 +53,14 @@ The ratio column is PS / in process.
     python bench/ps_apply.py --only dense --reps 5
     python bench/ps_apply.py --only dense --profile /tmp/prof --server-stats
     python bench/ps_apply.py --quick               # smoke test
+    QPS_BENCH_PS_OPTIONS='{"commit_interval_ms": 1000}' python bench/ps_apply.py --only dense
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import time
 from typing import Any
@@ -83,7 +86,12 @@ def _live(case: str) -> bool:
 
 
 def _shard_options(case: str) -> dict[str, Any]:
-    return {"max_group": 1} if case == "dense-g1" else {}
+    """ShardOptions of the row, over those of ``QPS_BENCH_PS_OPTIONS`` (a JSON map, e.g.
+    ``{"commit_interval_ms": 1000}``; default: the shard's defaults)."""
+    opts = json.loads(os.environ.get("QPS_BENCH_PS_OPTIONS") or "{}")
+    if case == "dense-g1":
+        opts["max_group"] = 1
+    return dict(opts)
 
 
 def _optimizer(case: str) -> Any:

@@ -12,22 +12,34 @@ Shard ``i`` of a job in container ``C``:
    on a zombie with an older token cannot write), loads value, version, optimizer slots
    and ``t`` (:meth:`~qps.variables.Variable.read_state`), and stores fresh slots if
    there are none. It keeps them in memory: as the only writer, its copy is the truth.
-3. **Applies gradient messages** from its queue ``ps/i/grads``, one at a time, as they
-   arrive (TF's asynchronous training). For each delivery
-   (:meth:`~qps.queues.base.QueueBase.dequeue_acked`): decode and validate it (a bad
-   message is dead-lettered, never applied); for each of its variables not yet applied,
-   run the optimizer rule on the in-memory copy and **commit** value, slots, ``t`` and
-   the message id in one script (:meth:`~qps.variables.Variable.publish` /
-   ``publish_rows`` with ``slots=``/``applied=``); advance the global step (shard 0, also
-   deduplicated by message id); then ``ack``; then release the ids.
-4. Exits 0 on ``SIGTERM`` (after the message in hand) and when the job is finished (its
-   queue closed and drained), releasing the lease so a standby takes over at once.
+3. **Applies gradient messages** from its queue ``ps/i/grads`` as they arrive (TF's
+   asynchronous training), in order, in **groups**. A reader task takes deliveries
+   ahead (:meth:`~qps.queues.base.QueueBase.dequeue_acked`) and decodes them while the
+   previous ones are applied and committed. The applier takes every message waiting,
+   and the ones that arrive while the queue still holds some, up to
+   :attr:`ShardOptions.max_group` messages / ``max_group_bytes`` or until
+   ``commit_interval_ms`` passed (at once when the queue is empty). Each message is
+   validated (a bad one is dead-lettered and acked, never applied) and, for each of its
+   variables that has not recorded its id, applied to the in-memory copy (large batches
+   in a worker thread: NumPy releases the GIL). Then each variable the group changed is
+   **committed** once: value, slots, ``t`` and the ids of all its messages of the group
+   in one script (:meth:`~qps.variables.Variable.publish` / ``publish_rows`` with
+   ``slots=``/``applied=[ids]``); shard 0 advances the global step (one per message,
+   deduplicated by id); then the group's deliveries are acked in one call; then their
+   ids are released. Every delivery held has its lease renewed.
+4. Exits 0 on ``SIGTERM`` (after the group in hand; the deliveries read ahead go back
+   to the front of the queue) and when the job is finished (its queue closed and
+   drained), releasing the lease so a standby takes over at once.
 
-**Exactly once.** A delivery is acknowledged only after each of its variables committed
-it, so a shard killed at any point leaves the message in the queue (it returns when the
-delivery's lease runs out) and every variable either has committed it — with the id
-recorded in the same script — or has not changed. The next delivery skips the variables
-that recorded the id and applies the others. See ``docs/ps.md``.
+**Exactly once.** A delivery is acknowledged only after each variable of its group
+committed it, so a shard killed at any point leaves the messages in the queue (they
+return when the deliveries' leases run out). Killed after the apply and before a
+commit, Redis is unchanged (the applied copies were in memory); otherwise every variable
+either has committed the group's updates with all their ids recorded in the same script,
+or has not changed. The next delivery skips the variables that recorded a message's id
+and applies the others. A commit that fails drops the in-memory copies the group had
+changed (loaded again from their last commit) and gives the deliveries back. See
+``docs/ps.md``.
 """
 
 from __future__ import annotations
