@@ -259,7 +259,7 @@ class _Inbox:
             left = end - loop.time()
             if left <= 0:
                 return
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
 
 
