@@ -2,7 +2,7 @@
 
 * ``qps ps --shard I --num-shards N [--optimizer NAME --lr X -p NAME=VALUE ...]`` runs
   shard ``I`` (:class:`qps.ps.Shard`) until the job is finished (exit 0), ``SIGTERM`` or
-  Ctrl-C (exit 0 after the message in hand), or its lease is lost (exit 1).
+  Ctrl-C (exit 0 after the group of messages in hand), or its lease is lost (exit 1).
 * ``qps ps status``: each shard's state, lease, counters and staleness per worker.
 * ``qps ps dlq ls|show|drop``: the dead letters (messages a shard refused).
 * ``qps ps finish``: mark the job finished (the shards drain their queues and exit).

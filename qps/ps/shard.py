@@ -173,7 +173,8 @@ class ShardOptions:
             makes a group of its own).
         commit_interval_ms: how long a group stays open after its first message to take
             messages that are in the queue (0: only those already read); it commits at
-            once when the queue is empty. Bounds the delay a busy shard adds before a
+            once when the queue is empty. Checked after each batch taken (a batch is
+            every message read ahead). Bounds the delay a busy shard adds before a
             gradient is visible, and how often it commits under load.
     """
 
@@ -321,7 +322,7 @@ class _Rejected(Exception):
 class Shard:
     """One PS shard process's work (see the module docstring). ``await run()``
     returns ``"finished"`` or ``"stopped"``; :meth:`request_stop` (the ``SIGTERM``
-    handler) makes it return after the message in hand.
+    handler) makes it return after the group of messages in hand.
 
     Raises (from :meth:`run`):
         LeaseLostError: the lease was lost or the variables fenced by a newer owner.
@@ -365,7 +366,7 @@ class Shard:
 
     # -- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
-        """Stop after the message in hand (``SIGTERM``)."""
+        """Stop after the group of messages in hand (``SIGTERM``)."""
         if not self._stop.is_set():
             self.log.info("stop requested: finishing the current group of messages")
         self._halt()
