@@ -151,6 +151,14 @@ def _int(raw: Any) -> int:
         raise DataLossError(f"expected an integer in a variable's meta, got {raw!r}") from None
 
 
+def _applied_ids(applied: str | Sequence[str] | None) -> tuple[str, list[str]]:
+    """A commit's message ids as the scripts take them: the first, then the others."""
+    ids = ([applied] if applied else []) if isinstance(applied, str) else list(applied or ())
+    if any(not isinstance(i, str) or not i for i in ids) or len(set(ids)) != len(ids):
+        raise InvalidArgumentError(f"applied message ids must be distinct, non-empty: {ids!r}")
+    return (ids[0], ids[1:]) if ids else ("", [])
+
+
 def _as_bytes(arr: npt.NDArray[Any]) -> memoryview:
     """The C-order bytes of a C-contiguous array, without a copy."""
     return arr.reshape(-1).view(np.uint8).data
@@ -210,18 +218,28 @@ local function slots_complete(gen, names, nseg, segb, nbytes)
   end
   return true
 end
--- an error if message id was applied already or the slots differ from the stored ones
-local function check_commit(names_csv, id)
-  if id and id ~= '' and redis.call('ZSCORE', P .. 'applied', id) then return {'dup', id} end
+-- the message ids of a commit: ARGV[first] and ARGV[more..] (a group commit names
+-- several); '' names none
+local function commit_ids(first, more)
+  local ids = {}
+  if ARGV[first] and ARGV[first] ~= '' then ids[1] = ARGV[first] end
+  for i = more, #ARGV do ids[#ids + 1] = ARGV[i] end
+  return ids
+end
+-- an error if a message id was applied already or the slots differ from the stored ones
+local function check_commit(names_csv, ids)
+  for _, id in ipairs(ids) do
+    if redis.call('ZSCORE', P .. 'applied', id) then return {'dup', id} end
+  end
   local have = redis.call('HGET', KEYS[1], 'slots') or ''
   if names_csv and names_csv ~= have then return {'slots', have} end
   return nil
 end
--- remember that message id was applied; forget ids older than keep ms
-local function record_applied(id, keep)
-  if not id or id == '' then return end
+-- remember that the message ids were applied; forget ids older than keep ms
+local function record_applied(ids, keep)
+  if #ids == 0 then return end
   local now = tonumber(now_ms())
-  redis.call('ZADD', P .. 'applied', now, id)
+  for _, id in ipairs(ids) do redis.call('ZADD', P .. 'applied', now, id) end
   redis.call('ZREMRANGEBYSCORE', P .. 'applied', '-inf',
     '(' .. string.format('%.0f', now - tonumber(keep)))
 end
@@ -254,16 +272,17 @@ redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'gen', gen, 'ver', '0', 'token', '0
 return {'ok'}
 """
 
-# ARGV: token, version, gen, nseg, prev TTL (ms), nbytes[, slots, id, t, keep].
-# With the optional four (a PS shard's commit): the slots "name,..." were written under
-# the same generation and become current with the value, ``t`` is stored, and message
-# ``id`` is recorded as applied (refused as 'dup' if it already is; ids older than
-# ``keep`` ms are forgotten).
+# ARGV: token, version, gen, nseg, prev TTL (ms), nbytes[, slots, id, t, keep, id...].
+# With the optional ones (a PS shard's commit): the slots "name,..." were written under
+# the same generation and become current with the value, ``t`` is stored, and the
+# message ids (``id`` and any after ``keep``: a group commit) are recorded as applied
+# (refused as 'dup' if one already is; ids older than ``keep`` ms are forgotten).
 _PUBLISH = """
 local gen, nseg = ARGV[3], tonumber(ARGV[4])
 local names = split(ARGV[7])
+local ids = commit_ids(8, 11)
 local err, m = check(ARGV[1], nil)
-if not err then err = check_commit(ARGV[7], ARGV[8]) end
+if not err then err = check_commit(ARGV[7], ids) end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
 if not err and not (complete(gen, nseg, tonumber(m[7]), tonumber(m[5])) and
@@ -286,21 +305,22 @@ if ARGV[7] then
   local sg = redis.call('HGET', KEYS[1], 'sgen')
   if sg and sg ~= '' and sg ~= gen then each_slot_seg(sg, names, nseg, 'DEL') end
   redis.call('HSET', KEYS[1], 'sgen', gen, 't', ARGV[9])
-  record_applied(ARGV[8], ARGV[10])
+  record_applied(ids, ARGV[10])
 end
 return {'ok'}
 """
 
 # KEYS: meta, stage. ARGV: token, version, staged bytes, variable bytes, runs
 # "segment offset length,..." (byte offsets in the segment; the staged bytes are the
-# runs' bytes in order)[, slots, id, t, keep]. Offsets travel as text and reach SETRANGE
-# as they are. With the optional four (a PS shard's commit), the staged bytes are the
-# value's runs followed by each slot's runs, in the order of "slots", written into the
-# current slot generation; ``t`` and ``id`` as for _PUBLISH.
+# runs' bytes in order)[, slots, id, t, keep, id...]. Offsets travel as text and reach
+# SETRANGE as they are. With the optional ones (a PS shard's commit), the staged bytes
+# are the value's runs followed by each slot's runs, in the order of "slots", written
+# into the current slot generation; ``t`` and the ids as for _PUBLISH.
 _PUBLISH_ROWS = """
 local names = split(ARGV[6])
+local ids = commit_ids(7, 10)
 local err, m = check(ARGV[1], nil)
-if not err then err = check_commit(ARGV[6], ARGV[7]) end
+if not err then err = check_commit(ARGV[6], ids) end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
 if err then
@@ -342,7 +362,7 @@ redis.call('HSET', KEYS[1], 'ver', ARGV[2], 'token', ARGV[1], 'mtime', now_ms())
 redis.call('HINCRBY', KEYS[1], 'row_publishes', 1)
 if ARGV[6] then
   redis.call('HSET', KEYS[1], 't', ARGV[8])
-  record_applied(ARGV[7], ARGV[9])
+  record_applied(ids, ARGV[9])
 end
 return {'ok'}
 """
@@ -767,7 +787,7 @@ class Variable:
         token: int,
         *,
         slots: Mapping[str, Any] | None = None,
-        applied: str | None = None,
+        applied: str | Sequence[str] | None = None,
         t: int = 0,
     ) -> None:
         """Publish a new value as ``version`` (the writer's side: the owning PS shard).
@@ -777,16 +797,17 @@ class Variable:
         the new one, never a mixture.
 
         A PS shard's **commit** also passes ``slots`` (every optimizer slot, as stored
-        by :meth:`init_slots`), the id of the gradient message it ``applied`` and ``t``
-        (the variable's count of applied updates): the value, the slots, ``t`` and the
-        applied id become current in the same script, atomically.
+        by :meth:`init_slots`), the id of the gradient message it ``applied`` (or the
+        ids of all the messages a group commit applied) and ``t`` (the variable's count
+        of applied updates): the value, the slots, ``t`` and the applied ids become
+        current in the same script, atomically.
 
         Raises:
             InvalidArgumentError: a value (or slot) of another shape, or of a dtype that
                 does not convert without a change of kind; a version/token outside
                 [0, 2**53).
             StaleTokenError: ``token`` is lower than one the variable accepted.
-            AlreadyAppliedError: message ``applied`` is recorded as applied already.
+            AlreadyAppliedError: a message of ``applied`` is recorded as applied already.
             FailedPreconditionError: ``version`` is not above the published version, or
                 ``slots`` are not the stored slots.
             NotFoundError: the variable was deleted (its container reset).
@@ -805,7 +826,8 @@ class Variable:
         nseg = self._layout.nseg
         args: list[Any] = [token, version, gen, nseg, PREV_TTL_MS, self.nbytes]
         if slot_views is not None:
-            args += [",".join(slot_views), applied or "", check_counter(t, "t"), APPLIED_KEEP_MS]
+            first, more = _applied_ids(applied)
+            args += [",".join(slot_views), first, check_counter(t, "t"), APPLIED_KEEP_MS, *more]
         # No clean-up if this fails: the flip may have happened with its reply lost, and
         # then these keys are the current value. Uncommitted ones expire (STAGE_TTL_MS).
         with map_errors():
@@ -820,7 +842,7 @@ class Variable:
         token: int,
         *,
         slot_rows: Mapping[str, Any] | None = None,
-        applied: str | None = None,
+        applied: str | Sequence[str] | None = None,
         t: int = 0,
     ) -> None:
         """Write ``rows[k]`` into row ``indices[k]`` in place, as ``version`` (the
@@ -835,7 +857,7 @@ class Variable:
         change in the same script.
 
         Raises:
-            AlreadyAppliedError: message ``applied`` is recorded as applied already.
+            AlreadyAppliedError: a message of ``applied`` is recorded as applied already.
             InvalidArgumentError: indices not 1-D ints in range, or repeated; rows of
                 the wrong shape or dtype; a version/token outside [0, 2**53); a scalar.
             StaleTokenError: ``token`` is lower than one the variable accepted.
@@ -882,7 +904,8 @@ class Variable:
         ranges = _ranges_arg(lay, runs.starts, runs.counts, 0)
         args: list[Any] = [token, version, staged.nbytes, lay.nbytes, ranges]
         if slot_rows is not None:
-            args += [",".join(slot_rows), applied or "", check_counter(t, "t"), APPLIED_KEEP_MS]
+            first, more = _applied_ids(applied)
+            args += [",".join(slot_rows), first, check_counter(t, "t"), APPLIED_KEEP_MS, *more]
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             pipe.set(stage, _as_bytes(staged), px=STAGE_TTL_MS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,34 @@ async def run(url: str, container: str, worker: int, first: int, count: int) -> 
             await sess.push({"w": dense_grad(worker, s), "emb": sparse_grad(worker, s)}, step=s)
 
 
+async def crash_shard(url: str, container: str, when: str) -> None:
+    """For tests/test_ps_group.py: run shard 0 of 1 and SIGKILL this process with its
+    first group of messages applied in memory (``before-commit``) or committed and not
+    acknowledged (``before-ack``)."""
+    import os
+    import signal
+
+    from qps.ps.shard import Shard, ShardOptions
+
+    client = await qps.connect(url)
+    shard = Shard(
+        client, ShardOptions(0, 1, container=container, lease_ms=1000, commit_interval_ms=60_000)
+    )
+    real = shard._commit_group
+
+    async def commit_group(g: Any) -> None:
+        if when == "before-ack":
+            await real(g)
+        print(f"killing myself {when} a group of {len(g.deliveries)} message(s)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    shard._commit_group = commit_group  # type: ignore[method-assign]
+    await shard.run()
+
+
 if __name__ == "__main__":
-    u, c, k, f, n = sys.argv[1:6]
-    asyncio.run(run(u, c, int(k), int(f), int(n)))
+    if sys.argv[1] == "--crash-shard":
+        asyncio.run(crash_shard(*sys.argv[2:5]))
+    else:
+        u, c, k, f, n = sys.argv[1:6]
+        asyncio.run(run(u, c, int(k), int(f), int(n)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qps import keys
-from qps.errors import FailedPreconditionError
+from qps.errors import FailedPreconditionError, InvalidArgumentError
 from qps.transport import Client
 from qps.variables import AlreadyAppliedError, StaleTokenError, Variable
 
@@ -149,3 +149,38 @@ async def test_large_variable_commit_over_several_segments(
     np.testing.assert_array_equal(st.value[idx], 1.0)
     np.testing.assert_array_equal(st.slots["a"][idx], 5.0)
     np.testing.assert_array_equal(st.slots["a"][1], val[1] * 2)
+
+
+async def test_a_group_commit_records_every_id_or_none(client: Client) -> None:
+    """A group commit names several messages: all their ids are recorded with the
+    value, and a group that names one id already recorded changes nothing."""
+    v = await _var(client)
+    await v.init_slots({"m": np.zeros((6, 2))}, 1)
+    applied = keys.variable_applied("c", "w")
+    ids = ["w/0/0/a.1", "w/1/0/a.2", "w/2/0/a.3"]
+    await v.publish(np.ones((6, 2)), 3, 1, slots={"m": np.ones((6, 2))}, applied=ids, t=3)
+    st = await v.read_state()
+    assert (st.version, st.t) == (3, 3)
+    assert sorted(m.decode() for m in await client.commands.zrange(applied, 0, -1)) == ids
+    with pytest.raises(AlreadyAppliedError, match=r"w/1/0/a\.2"):
+        await v.publish(
+            np.zeros((6, 2)), 5, 1, slots={"m": np.zeros((6, 2))}, applied=["x.9", ids[1]], t=5
+        )
+    with pytest.raises(AlreadyAppliedError):
+        await v.publish_rows(
+            [0], np.zeros((1, 2)), 5, 1, slot_rows={"m": np.zeros((1, 2))}, applied=["x.9", ids[2]]
+        )
+    st = await v.read_state()
+    assert (st.version, st.t) == (3, 3) and st.value.sum() == 12
+    assert await client.commands.zscore(applied, "x.9") is None
+    # rows: two new ids at once
+    await v.publish_rows(
+        [1, 4], np.full((2, 2), 5.0), 5, 1, slot_rows={"m": np.full((2, 2), 6.0)},
+        applied=["y.1", "y.2"], t=5,
+    )  # fmt: skip
+    st = await v.read_state()
+    assert (st.version, st.t) == (5, 5) and st.value[4].tolist() == [5.0, 5.0]
+    assert st.slots["m"][1].tolist() == [6.0, 6.0] and st.slots["m"][0].tolist() == [1.0, 1.0]
+    assert await client.commands.zcard(applied) == 5
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        await v.publish(np.ones((6, 2)), 6, 1, slots={"m": np.ones((6, 2))}, applied=["a", "a"])

@@ -5,6 +5,7 @@ redelivered messages, single writer (standby, fencing), dead letters, staleness.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -174,7 +175,8 @@ async def test_redelivery_after_a_crash_between_two_commits(job: Job) -> None:
     first.optimizer = SGD(learning_rate=1.0)
     assert await first._acquire()
     await first._own_placed()
-    await first._commit(first.owned["a"], m.grads["a"], m.id)  # then "killed"
+    # the same message (same id), committed to "a" only: then "killed"
+    await first._apply(dataclasses.replace(m, grads={"a": m.grads["a"]}, global_step=False))
     # the queue gives the message back (its delivery lease ran out)
     await control.gradient_queue(sess.client, C, 0).enqueue(
         np.frombuffer(encode_message(m), np.uint8)
@@ -199,7 +201,7 @@ async def test_redelivery_of_a_fully_applied_message_is_skipped(job: Job) -> Non
     assert await first._acquire()
     await first._own_placed()
     done = await first._apply(m)  # everything committed, then killed before the ack
-    assert done["fresh"] and sorted(done["vars"]) == ["a", "b"]
+    assert done.fresh == 1 and sorted(done.vars) == ["a", "b"] and done.gs_ids == [m.id]
     assert await sess.global_step() == 1
     await control.gradient_queue(sess.client, C, 0).enqueue(
         np.frombuffer(encode_message(m), np.uint8)
@@ -265,7 +267,9 @@ async def test_a_zombie_cannot_write_after_a_new_owner_fenced(job: Job) -> None:
 
     await until(fenced)
     with pytest.raises(StaleTokenError):
-        await zombie._commit(zombie.owned["w"], np.ones(1), "zombie/0/0/z.1")
+        await zombie._apply(
+            GradientMessage(worker="zombie", step=0, shard=0, nonce="z.1", grads={"w": np.ones(1)})
+        )
     with pytest.raises(LeaseLostError, match="lease lost"):
         await asyncio.wait_for(zt, 10)
     await sess.push({"w": np.ones(1)})

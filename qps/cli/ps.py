@@ -2,7 +2,7 @@
 
 * ``qps ps --shard I --num-shards N [--optimizer NAME --lr X -p NAME=VALUE ...]`` runs
   shard ``I`` (:class:`qps.ps.Shard`) until the job is finished (exit 0), ``SIGTERM`` or
-  Ctrl-C (exit 0 after the message in hand), or its lease is lost (exit 1).
+  Ctrl-C (exit 0 after the group of messages in hand), or its lease is lost (exit 1).
 * ``qps ps status``: each shard's state, lease, counters and staleness per worker.
 * ``qps ps dlq ls|show|drop``: the dead letters (messages a shard refused).
 * ``qps ps finish``: mark the job finished (the shards drain their queues and exit).
@@ -33,7 +33,14 @@ from qps.cli import (
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from qps.ps.messages import SparseGradient, decode_message
-from qps.ps.shard import DEFAULT_LEASE_MS, Shard, ShardOptions
+from qps.ps.shard import (
+    DEFAULT_COMMIT_INTERVAL_MS,
+    DEFAULT_LEASE_MS,
+    DEFAULT_MAX_GROUP,
+    DEFAULT_MAX_GROUP_BYTES,
+    Shard,
+    ShardOptions,
+)
 from qps.transport import Client
 
 
@@ -119,6 +126,29 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
     default=False,
     help="Replace optimizer slots stored by another optimizer with fresh ones.",
 )
+@click.option(
+    "--max-group",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_GROUP,
+    show_default=True,
+    help="Most messages applied together and committed once per variable "
+    "(1: a commit per message).",
+)
+@click.option(
+    "--max-group-mib",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_GROUP_BYTES >> 20,
+    show_default=True,
+    help="Most MiB of gradients in one group (and read ahead).",
+)
+@click.option(
+    "--commit-interval-ms",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_COMMIT_INTERVAL_MS,
+    show_default=True,
+    help="How long a group keeps taking messages that are in the queue before it "
+    "commits; it commits at once when the queue is empty.",
+)
 @click.pass_context
 def ps(
     ctx: click.Context,
@@ -131,15 +161,20 @@ def ps(
     hparams: tuple[str, ...],
     lease_ms: int,
     reset_slots: bool,
+    max_group: int,
+    max_group_mib: int,
+    commit_interval_ms: float,
 ) -> None:
     """Run PS shard I of N: own the variables placed on it, apply the gradient messages
     of its queue with the optimizer, publish versioned parameters.
 
     One writer per shard: a second copy waits as a standby until the lease of the first
     one runs out (or it exits), then fences the variables and takes over. Every message
-    is applied exactly once across crashes. It exits 0 when the job is finished
+    is applied exactly once across crashes. Under load it applies the messages that are
+    waiting as one group and commits each variable once for all of them (--max-group,
+    --max-group-mib, --commit-interval-ms). It exits 0 when the job is finished
     (`qps ps finish`) and its queue is drained, and on SIGTERM or Ctrl-C after the
-    message in hand; 1 if its lease was lost. The first shard records N and the
+    group in hand; 1 if its lease was lost. The first shard records N and the
     optimizer in the container; later ones must agree.
 
     \b
@@ -164,6 +199,9 @@ def ps(
         optimizer=_optimizer(optimizer, lr, hparams),
         lease_ms=lease_ms,
         reset_slots=reset_slots,
+        max_group=max_group,
+        max_group_bytes=max_group_mib << 20,
+        commit_interval_ms=commit_interval_ms,
     )
     reason = run_async(_serve(url, options))
     click.echo(f"qps ps: shard {shard}/{num_shards} {reason}", err=True)

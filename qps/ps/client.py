@@ -73,6 +73,7 @@ class PSClient:
         self._seen: dict[str, int] = {}
         self._placement: dict[str, int] = {}
         self._num_shards: int | None = None
+        self._capacity = control.GRADIENT_QUEUE_CAPACITY
         self._queues: dict[int, FIFOQueue] = {}
 
     # -- variables -------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class PSClient:
                     "(qps ps --shard I --num-shards N) or call qps.ps.configure() first"
                 )
             self._num_shards = cfg.num_shards
+            self._capacity = cfg.queue_capacity
         return self._num_shards
 
     async def shards_of(self, names: Iterable[str]) -> dict[str, int]:
@@ -154,7 +156,9 @@ class PSClient:
     def _queue(self, shard: int) -> FIFOQueue:
         q = self._queues.get(shard)
         if q is None:
-            q = self._queues[shard] = control.gradient_queue(self.client, self.container, shard)
+            q = self._queues[shard] = control.gradient_queue(
+                self.client, self.container, shard, self._capacity
+            )
         return q
 
     # -- push ------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class PSConfig:
 
     num_shards: int
     optimizer: Optimizer | None
+    queue_capacity: int = 8  # GRADIENT_QUEUE_CAPACITY unless the job set another
 
 
 async def read_config(client: Client, container: str) -> PSConfig | None:
@@ -79,19 +80,26 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
         DataLossError: a config hash qps did not write.
     """
     with map_errors():
-        raw = await client.commands.hmget(keys.ps_config(container), "num_shards", "optimizer")
+        raw = await client.commands.hmget(
+            keys.ps_config(container), "num_shards", "optimizer", "queue_capacity"
+        )
     if raw[0] is None:
         return None
     try:
         n = int(raw[0])
         opt = None if raw[1] is None else optimizer_from_spec(json.loads(raw[1]))
+        cap = GRADIENT_QUEUE_CAPACITY if raw[2] is None else int(raw[2])
     except (ValueError, InvalidArgumentError) as exc:
         raise DataLossError(f"bad PS config in container '{container}': {exc}") from exc
-    return PSConfig(n, opt)
+    return PSConfig(n, opt, cap)
 
 
 async def configure(
-    client: Client, container: str, num_shards: int, optimizer: Optimizer | None = None
+    client: Client,
+    container: str,
+    num_shards: int,
+    optimizer: Optimizer | None = None,
+    queue_capacity: int | None = None,
 ) -> PSConfig:
     """Record the PS job of ``container`` (first caller wins) and return it: every shard
     and worker must agree on ``num_shards``, and every shard applies the one optimizer.
@@ -108,10 +116,21 @@ async def configure(
         pipe.hsetnx(key, "num_shards", num_shards)
         if optimizer is not None:
             pipe.hsetnx(key, "optimizer", json.dumps(optimizer.to_spec(), sort_keys=True))
+        if queue_capacity is not None:
+            if isinstance(queue_capacity, bool) or not isinstance(queue_capacity, int):
+                raise InvalidArgumentError(f"queue_capacity must be an int, got {queue_capacity!r}")
+            if queue_capacity < 1:
+                raise InvalidArgumentError(f"queue_capacity must be >= 1, got {queue_capacity}")
+            pipe.hsetnx(key, "queue_capacity", queue_capacity)
         pipe.sadd(keys.CONTAINERS, container)
         await pipe.execute()
     cfg = await read_config(client, container)
     assert cfg is not None
+    if queue_capacity is not None and cfg.queue_capacity != queue_capacity:
+        raise InvalidArgumentError(
+            f"the PS job of container '{container}' has gradient queues of capacity "
+            f"{cfg.queue_capacity}, not {queue_capacity} (reset the container to change it)"
+        )
     if cfg.num_shards != num_shards:
         raise InvalidArgumentError(
             f"the PS job of container '{container}' has {cfg.num_shards} shard(s), not "
@@ -212,11 +231,14 @@ async def place_variables(
 # -- queues, the global step, the end of the job ------------------------------------------------
 
 
-def gradient_queue(client: Client, container: str, shard: int) -> FIFOQueue:
+def gradient_queue(
+    client: Client, container: str, shard: int, capacity: int = GRADIENT_QUEUE_CAPACITY
+) -> FIFOQueue:
     """The gradient queue of ``shard``: one ``uint8`` component of any length per
-    element (an encoded :class:`~qps.ps.messages.GradientMessage`)."""
+    element (an encoded :class:`~qps.ps.messages.GradientMessage`); ``capacity``: the
+    job's (:attr:`PSConfig.queue_capacity`)."""
     return FIFOQueue(
-        GRADIENT_QUEUE_CAPACITY,
+        capacity,
         [np.uint8],
         shared_name=keys.ps_gradient_queue(shard),
         container=container,
@@ -245,7 +267,7 @@ async def mark_finished(client: Client, container: str) -> int:
         await client.commands.set(keys.ps_finished(container), "1")
     closed = 0
     for shard in range(cfg.num_shards):
-        q = gradient_queue(client, container, shard)
+        q = gradient_queue(client, container, shard, cfg.queue_capacity)
         if not await q.is_closed():
             await q.close()
             closed += 1

@@ -12,33 +12,47 @@ Shard ``i`` of a job in container ``C``:
    on a zombie with an older token cannot write), loads value, version, optimizer slots
    and ``t`` (:meth:`~qps.variables.Variable.read_state`), and stores fresh slots if
    there are none. It keeps them in memory: as the only writer, its copy is the truth.
-3. **Applies gradient messages** from its queue ``ps/i/grads``, one at a time, as they
-   arrive (TF's asynchronous training). For each delivery
-   (:meth:`~qps.queues.base.QueueBase.dequeue_acked`): decode and validate it (a bad
-   message is dead-lettered, never applied); for each of its variables not yet applied,
-   run the optimizer rule on the in-memory copy and **commit** value, slots, ``t`` and
-   the message id in one script (:meth:`~qps.variables.Variable.publish` /
-   ``publish_rows`` with ``slots=``/``applied=``); advance the global step (shard 0, also
-   deduplicated by message id); then ``ack``; then release the ids.
-4. Exits 0 on ``SIGTERM`` (after the message in hand) and when the job is finished (its
-   queue closed and drained), releasing the lease so a standby takes over at once.
+3. **Applies gradient messages** from its queue ``ps/i/grads`` as they arrive (TF's
+   asynchronous training), in order, in **groups**. A reader task takes deliveries
+   ahead (:meth:`~qps.queues.base.QueueBase.dequeue_acked`) and decodes them while the
+   previous ones are applied and committed. The applier takes every message waiting,
+   and the ones that arrive while the queue still holds some, up to
+   :attr:`ShardOptions.max_group` messages / ``max_group_bytes`` or until
+   ``commit_interval_ms`` passed (at once when the queue is empty). Each message is
+   validated (a bad one is dead-lettered and acked, never applied) and, for each of its
+   variables that has not recorded its id, applied to the in-memory copy (large batches
+   in a worker thread: NumPy releases the GIL). Then each variable the group changed is
+   **committed** once: value, slots, ``t`` and the ids of all its messages of the group
+   in one script (:meth:`~qps.variables.Variable.publish` / ``publish_rows`` with
+   ``slots=``/``applied=[ids]``); shard 0 advances the global step (one per message,
+   deduplicated by id); then the group's deliveries are acked in one call; then their
+   ids are released. Every delivery held has its lease renewed.
+4. Exits 0 on ``SIGTERM`` (after the group in hand; the deliveries read ahead go back
+   to the front of the queue) and when the job is finished (its queue closed and
+   drained), releasing the lease so a standby takes over at once.
 
-**Exactly once.** A delivery is acknowledged only after each of its variables committed
-it, so a shard killed at any point leaves the message in the queue (it returns when the
-delivery's lease runs out) and every variable either has committed it — with the id
-recorded in the same script — or has not changed. The next delivery skips the variables
-that recorded the id and applies the others. See ``docs/ps.md``.
+**Exactly once.** A delivery is acknowledged only after each variable of its group
+committed it, so a shard killed at any point leaves the messages in the queue (they
+return when the deliveries' leases run out). Killed after the apply and before a
+commit, Redis is unchanged (the applied copies were in memory); otherwise every variable
+either has committed the group's updates with all their ids recorded in the same script,
+or has not changed. The next delivery skips the variables that recorded a message's id
+and applies the others. A commit that fails drops the in-memory copies the group had
+changed (loaded again from their last commit) and gives the deliveries back. See
+``docs/ps.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
-from collections.abc import MutableMapping
+from collections import deque
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -82,6 +96,16 @@ log = logging.getLogger("qps.ps")
 
 #: Default length of a shard's lease (ms); it renews every third of it.
 DEFAULT_LEASE_MS = 10_000
+#: Default bounds of one group commit: messages, and bytes of gradients (a single larger
+#: message still makes a group of one). The shard also reads ahead up to these bounds.
+DEFAULT_MAX_GROUP = 64
+DEFAULT_MAX_GROUP_BYTES = 256 << 20
+#: Default longest time (ms) a group stays open, from its first message, to take
+#: messages that are in the queue; it never waits when the queue is empty.
+DEFAULT_COMMIT_INTERVAL_MS = 100
+#: Gradient bytes of a batch from which the rule runs in a worker thread (NumPy releases
+#: the GIL in large ufuncs, so the next messages are read meanwhile); below it, inline.
+THREAD_MIN_BYTES = 1 << 20
 
 
 class LeaseLostError(FailedPreconditionError):
@@ -109,16 +133,22 @@ redis.call('PEXPIRE', KEYS[2], 60000)
 return {'ok'}
 """
 
-# KEYS: counter value, counter applied. ARGV: message id, keep (ms).
-_COUNT_STEP = """
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {'dup', redis.call('GET', KEYS[1])} end
-local v = redis.call('INCR', KEYS[1])
+# KEYS: counter value, counter applied. ARGV: keep (ms), message id... Advances the
+# counter by one per id not recorded yet, and records them. Reply: {advanced, value}.
+_COUNT_STEPS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-local old = '(' .. string.format('%.0f', now - tonumber(ARGV[2]))
+local n = 0
+for i = 2, #ARGV do
+  if not redis.call('ZSCORE', KEYS[2], ARGV[i]) then
+    redis.call('ZADD', KEYS[2], now, ARGV[i])
+    n = n + 1
+  end
+end
+local old = '(' .. string.format('%.0f', now - tonumber(ARGV[1]))
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', old)
-return {'ok', v}
+if n == 0 then return {0, redis.call('GET', KEYS[1]) or '0'} end
+return {n, redis.call('INCRBY', KEYS[1], n)}
 """
 
 
@@ -137,6 +167,15 @@ class ShardOptions:
         reset_slots: replace stored slots of another optimizer by fresh ones (else
             that is an error).
         owner: names this run in the lease and the logs.
+        max_group: the most messages one group commit applies (1: one commit per
+            message, as without groups).
+        max_group_bytes: the most gradient bytes one group takes (a larger message
+            makes a group of its own).
+        commit_interval_ms: how long a group stays open after its first message to take
+            messages that are in the queue (0: only those already read); it commits at
+            once when the queue is empty. Checked after each batch taken (a batch is
+            every message read ahead). Bounds the delay a busy shard adds before a
+            gradient is visible, and how often it commits under load.
     """
 
     shard: int
@@ -146,6 +185,9 @@ class ShardOptions:
     lease_ms: int = DEFAULT_LEASE_MS
     reset_slots: bool = False
     owner: str = field(default_factory=default_owner)
+    max_group: int = DEFAULT_MAX_GROUP
+    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    commit_interval_ms: float = DEFAULT_COMMIT_INTERVAL_MS
 
 
 @dataclass
@@ -157,6 +199,110 @@ class _Owned:
     slots: dict[str, npt.NDArray[Any]]
     version: int
     t: int
+
+
+@dataclass
+class _Item:
+    """A delivery taken ahead of the apply, decoded (``msg``) or not (``error``)."""
+
+    delivery: Delivery | None  # None: a message applied without one (tests)
+    msg: GradientMessage | None = None
+    error: str = ""
+    nbytes: int = 0
+
+
+class _Inbox:
+    """Deliveries read ahead of the apply, in order, bounded by count and bytes; the
+    reader and the applier wake each other through one event."""
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.items: deque[_Item] = deque()
+        self.nbytes = 0
+        self.done = False  # the queue is closed and drained
+        self.error: BaseException | None = None
+        self._max_items, self._max_bytes = max_items, max_bytes
+        self._changed = asyncio.Event()
+
+    def full(self) -> bool:
+        return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        self.nbytes += item.nbytes
+        self._changed.set()
+
+    def take(self) -> _Item:
+        item = self.items.popleft()
+        self.nbytes -= item.nbytes
+        self._changed.set()
+        return item
+
+    def finish(self) -> None:
+        self.done = True
+        self._changed.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._changed.set()
+
+    def wake(self) -> None:
+        self._changed.set()
+
+    async def until(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
+        """Return once ``ready()`` (checked at every change) or after ``timeout`` s."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        while not ready():
+            self._changed.clear()
+            if end is None:
+                await self._changed.wait()
+                continue
+            left = end - loop.time()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+
+@dataclass
+class _Pending:
+    """What one variable must commit for a group: the ids of the messages applied to
+    its in-memory copy, in order, and the rows they touched (sparse) or that it is dense."""
+
+    ids: list[str] = field(default_factory=list)
+    rows: list[npt.NDArray[Any]] = field(default_factory=list)
+    dense: bool = False
+
+
+@dataclass
+class _Group:
+    """Messages applied together and committed once per variable."""
+
+    deliveries: list[Delivery] = field(default_factory=list)
+    nbytes: int = 0  # bytes of the deliveries
+    ids: set[str] = field(default_factory=set)
+    vars: dict[str, _Pending] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)  # applied, not committed yet
+    gs_ids: list[str] = field(default_factory=list)  # advance the global step for these
+    fresh: int = 0
+    skipped: int = 0
+    rows: int = 0
+    bytes: int = 0
+    stale: list[tuple[str, int]] = field(default_factory=list)
+    redo: bool = False
+    msgs: list[GradientMessage] = field(default_factory=list)  # valid ones: ids to release
+
+    def full(self, max_items: int, max_bytes: int) -> bool:
+        return len(self.deliveries) >= max_items or self.nbytes >= max_bytes
+
+
+def _joined(ds: list[Delivery]) -> Delivery:
+    """Several deliveries as one (one ack, nack or touch call for all, in order)."""
+    return ds[0] if len(ds) == 1 else Delivery(None, tuple(t for d in ds for t in d.tokens))
+
+
+def _nbytes(value: Any) -> int:
+    return int(getattr(value, "nbytes", 0) or len(value))
 
 
 class _Log(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -176,7 +322,7 @@ class _Rejected(Exception):
 class Shard:
     """One PS shard process's work (see the module docstring). ``await run()``
     returns ``"finished"`` or ``"stopped"``; :meth:`request_stop` (the ``SIGTERM``
-    handler) makes it return after the message in hand.
+    handler) makes it return after the group of messages in hand.
 
     Raises (from :meth:`run`):
         LeaseLostError: the lease was lost or the variables fenced by a newer owner.
@@ -189,6 +335,11 @@ class Shard:
         o = options
         if not 0 <= o.shard < o.num_shards:
             raise InvalidArgumentError(f"shard {o.shard} is not in [0, {o.num_shards})")
+        if o.max_group < 1 or o.max_group_bytes < 1 or not o.commit_interval_ms >= 0:
+            raise InvalidArgumentError(
+                "max_group and max_group_bytes must be >= 1 and commit_interval_ms >= 0, "
+                f"got {o.max_group}, {o.max_group_bytes}, {o.commit_interval_ms}"
+            )
         self.client = client
         self.options = o
         self.container = keys.check_container(o.container)
@@ -203,17 +354,27 @@ class Shard:
         self._lost: str | None = None
         self._queue: QueueBase | None = None
         self._lease_script = client.commands.register_script(_LEASE)
-        self._step_script = client.commands.register_script(_COUNT_STEP)
+        self._step_script = client.commands.register_script(_COUNT_STEPS)
         self.applied = 0
         self.skipped = 0
         self.dead = 0
+        self._held: list[Delivery] = []  # deliveries taken and not settled, in order
+        #: ``time.monotonic()`` when the apply loop started (after the lease and the
+        #: variables' loading), None before.
+        self.loop_started: float | None = None
+        self._inbox: _Inbox | None = None
 
     # -- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
-        """Stop after the message in hand (``SIGTERM``)."""
+        """Stop after the group of messages in hand (``SIGTERM``)."""
         if not self._stop.is_set():
-            self.log.info("stop requested: finishing the current message")
+            self.log.info("stop requested: finishing the current group of messages")
+        self._halt()
+
+    def _halt(self) -> None:
         self._stop.set()
+        if self._inbox is not None:
+            self._inbox.wake()
 
     async def run(self) -> str:
         """Take the lease, own the variables, apply messages until the job is finished
@@ -227,7 +388,9 @@ class Shard:
                 "(qps ps --optimizer ...)"
             )
         self.optimizer = cfg.optimizer
-        self._queue = control.gradient_queue(self.client, self.container, self.shard)
+        self._queue = control.gradient_queue(
+            self.client, self.container, self.shard, cfg.queue_capacity
+        )
         if await self._finished_and_drained():
             self.log.info("the job is finished and my queue is drained: nothing to do")
             return "finished"
@@ -318,7 +481,7 @@ class Shard:
                     f"{_text(reply[1]) or 'nobody'}); stopping"
                 )
                 self.log.error("%s", self._lost)
-                self._stop.set()
+                self._halt()
                 return
             await self._stats({"heartbeat_ms": int(time.time() * 1000)}, {})
 
@@ -387,81 +550,181 @@ class Shard:
     async def _loop(self) -> str:
         assert self._queue is not None
         q = self._queue
-        while not self._stop.is_set():
-            take = asyncio.ensure_future(q.dequeue_acked())
-            stop = asyncio.ensure_future(self._stop.wait())
-            try:
-                await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # run() itself was cancelled: undo the dequeue
-                take.cancel()
-                stop.cancel()
-                await asyncio.gather(take, stop, return_exceptions=True)
-                raise
-            stop.cancel()
-            if not take.done():
-                take.cancel()
-            try:
-                d = await take
-            except asyncio.CancelledError:
+        inbox = self._inbox = _Inbox(self.options.max_group, self.options.max_group_bytes)
+        self.loop_started = time.monotonic()
+        fetcher = asyncio.ensure_future(self._fetch(q, inbox))
+        toucher = asyncio.ensure_future(self._touch_loop(q))
+
+        def ready() -> bool:
+            return bool(inbox.items) or inbox.done or inbox.error is not None or self._stop.is_set()
+
+        try:
+            while not self._stop.is_set():
+                await inbox.until(ready)
                 if self._stop.is_set():
                     break
-                raise
-            except OutOfRangeError:
-                self.log.info("the job is finished and my queue is drained: exiting")
-                return "finished"
-            if self._lost is not None:
-                await _quietly(q.nack(d))
-                break
-            await self._handle(q, d)
-        return "stopped"
+                if inbox.items:
+                    await self._group(q, inbox)
+                elif inbox.error is not None:
+                    raise inbox.error
+                elif inbox.done:
+                    if await q.size():  # given back after the reader found it drained
+                        inbox.done = False
+                        fetcher = asyncio.ensure_future(self._fetch(q, inbox))
+                        continue
+                    self.log.info("the job is finished and my queue is drained: exiting")
+                    return "finished"
+            return "stopped"
+        finally:
+            fetcher.cancel()
+            toucher.cancel()
+            await asyncio.gather(fetcher, toucher, return_exceptions=True)
+            left = [it.delivery for it in inbox.items if it.delivery is not None]
+            inbox.items.clear()
+            if left:  # taken ahead, never applied: back to the front, in order
+                await self._settle(q, left, ack=False)
+            self._inbox = None
 
-    async def _handle(self, q: QueueBase, d: Delivery) -> None:
-        toucher = asyncio.ensure_future(self._touch_loop(q, d))
+    async def _fetch(self, q: QueueBase, inbox: _Inbox) -> None:
+        """Take deliveries ahead of the apply (while the inbox has room), decode them and
+        put them in the inbox; mark it done when the queue is closed and drained."""
         try:
+            while True:
+                await inbox.until(lambda: not inbox.full() or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                d = await q.dequeue_acked()
+                self._held.append(d)
+                item = _Item(d, nbytes=_nbytes(d.value))
+                try:
+                    item.msg = decode_message(d.value)
+                except DataLossError as exc:
+                    item.error = str(exc)
+                inbox.put(item)
+        except OutOfRangeError:
+            inbox.finish()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the loop, which raises it
+            inbox.fail(exc)
+
+    async def _touch_loop(self, q: QueueBase) -> None:
+        """Renew the leases of every delivery held (taken ahead or in the group)."""
+        while True:
+            await asyncio.sleep(DELIVERY_LEASE_MS / 3000.0)
+            if not self._held:
+                continue
             try:
-                msg = decode_message(d.value)
-            except DataLossError as exc:
-                await self._dead_letter(None, str(exc), raw=_raw(d.value))
-                await q.ack(d)
-                return
-            try:
-                await self._check(msg)
-            except _Rejected as rej:
-                await self._dead_letter(msg, rej.reason, variable=rej.variable, raw=_raw(d.value))
-                await q.ack(d)
-                return
-            done = await self._apply(msg)
+                await q.touch(_joined(self._held))
+            except AbortedError as exc:  # its message comes again; the ids stay recorded
+                self.log.warning("%s", exc)
+            except QpsError as exc:
+                self.log.warning("could not renew the deliveries' leases: %s", exc)
+
+    async def _settle(self, q: QueueBase, ds: list[Delivery], *, ack: bool) -> bool:
+        """Ack (or nack) deliveries in one call and stop holding them. An ack returns
+        False if a lease had run out (those messages come again); a nack never raises."""
+        gone = {id(d) for d in ds}
+        self._held = [d for d in self._held if id(d) not in gone]  # by identity
+        if not ack:
+            await _quietly(asyncio.shield(q.nack(_joined(ds))))
+            return True
+        try:
+            await q.ack(_joined(ds))
+        except AbortedError as exc:
+            self.log.warning("%s", exc)
+            return False
+        return True
+
+    async def _group(self, q: QueueBase, inbox: _Inbox) -> None:
+        """Take a group of messages from the inbox, apply them in order to the in-memory
+        state, commit each variable once for all of them, advance the global step, ack
+        them all, then release their ids (see the module docstring)."""
+        o = self.options
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + o.commit_interval_ms / 1000.0
+        g = _Group()
+
+        def more() -> bool:
+            return bool(inbox.items) or inbox.done or inbox.error is not None or self._stop.is_set()
+
+        try:
+            while True:
+                batch: list[_Item] = []
+                while inbox.items and not g.full(o.max_group, o.max_group_bytes):
+                    item = inbox.take()
+                    assert item.delivery is not None
+                    g.nbytes += item.nbytes
+                    g.deliveries.append(item.delivery)
+                    batch.append(item)
+                await self._absorb(q, g, batch)
+                left = deadline - loop.time()
+                if self._stop.is_set() or g.full(o.max_group, o.max_group_bytes) or left <= 0:
+                    break
+                if inbox.items:
+                    continue
+                if inbox.done or inbox.error is not None:
+                    break
+                if not await q.size():  # nothing is coming: commit now
+                    break
+                await inbox.until(more, left)
+                if not inbox.items:
+                    break
+            await self._commit_group(g)
         except StaleTokenError as exc:
             self._lost = f"ps shard {self.shard}: fenced by a newer owner ({exc}); stopping"
             self.log.error("%s", self._lost)
-            self._stop.set()
-            await _quietly(q.nack(d))
+            self._halt()
+            self._forget(g)
+            await self._settle(q, g.deliveries, ack=False)
             return
         except BaseException:
-            await _quietly(asyncio.shield(q.nack(d)))
+            # an apply or a commit failed: the copies it touched cannot be trusted, and
+            # the messages go back (the variables that committed them skip them)
+            self._forget(g)
+            await self._settle(q, g.deliveries, ack=False)
             raise
-        finally:
-            toucher.cancel()
-            await asyncio.gather(toucher, return_exceptions=True)
-        try:
-            await q.ack(d)
-        except AbortedError as exc:
-            # the delivery went back to the queue: its ids must stay recorded so the
-            # redelivery is skipped
-            self.log.warning("message %s: %s", msg.id, exc)
+        if g.redo:  # a variable refused a commit as 'dup' and was reloaded: send it all again
+            await self._settle(q, g.deliveries, ack=False)
             return
-        await self._released(msg, done)
+        try:
+            acked = await self._settle(q, g.deliveries, ack=True)
+        except BaseException:  # give them back now (they are skipped) if Redis lets us
+            await self._settle(q, g.deliveries, ack=False)
+            raise
+        if not acked:
+            return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
+        await self._released(g)
 
-    async def _touch_loop(self, q: QueueBase, d: Delivery) -> None:
-        while True:
-            await asyncio.sleep(DELIVERY_LEASE_MS / 3000.0)
+    async def _absorb(self, q: QueueBase | None, g: _Group, batch: list[_Item]) -> None:
+        """Add ``batch`` to the group: dead-letter what must not be applied (acked at
+        once), skip what was applied before, and apply the rest in order."""
+        valid: list[_Item] = []
+        for item in batch:
+            if item.msg is None:
+                await self._reject(q, g, item, item.error, None)
+                continue
             try:
-                await q.touch(d)
-            except QpsError as exc:
-                self.log.warning("could not renew a delivery's lease: %s", exc)
+                await self._check(item.msg)
+            except _Rejected as rej:
+                await self._reject(q, g, item, rej.reason, rej.variable)
+            else:
+                valid.append(item)
+        if valid:
+            await self._apply_batch(q, g, valid)
+
+    async def _reject(
+        self, q: QueueBase | None, g: _Group, item: _Item, reason: str, variable: str | None
+    ) -> None:
+        """Dead-letter ``item`` (nothing of it was applied) and ack it at once."""
+        await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.delivery))
+        if item.delivery is not None and q is not None:
+            g.deliveries = [d for d in g.deliveries if d is not item.delivery]
+            await self._settle(q, [item.delivery], ack=True)
 
     async def _check(self, msg: GradientMessage) -> None:
-        """Raise _Rejected if ``msg`` must not be applied."""
+        """Raise _Rejected if ``msg`` must not be applied (NaN and Inf are checked with
+        the apply, see _run_rules)."""
         if msg.shard != self.shard:
             raise _Rejected(f"message for shard {msg.shard} arrived at shard {self.shard}")
         for name, g in msg.grads.items():
@@ -470,106 +733,177 @@ class Shard:
                 check_gradient(name, o.var.spec, g)
             except InvalidArgumentError as exc:
                 raise _Rejected(str(exc), name) from None
-            if not is_finite(g):
-                raise _Rejected(f"gradient of '{name}' holds NaN or Inf", name)
 
-    async def _applied(self, msg: GradientMessage) -> tuple[dict[str, bool], bool]:
-        """Which of ``msg``'s variables (and its global-step increment) recorded its id."""
-        names = list(msg.grads)
+    async def _applied_flags(
+        self, msgs: list[GradientMessage]
+    ) -> tuple[list[dict[str, bool]], list[bool]]:
+        """Per message: which of its variables (and its global-step increment) recorded
+        its id already."""
+        gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
         with map_errors():
             pipe = self.client.commands.pipeline(transaction=False)
-            for name in names:
-                pipe.zscore(keys.variable_applied(self.container, name), msg.id)
-            if msg.global_step:
-                pipe.zscore(keys.counter_applied(self.container, keys.GLOBAL_STEP), msg.id)
-            replies = await pipe.execute() if len(pipe) else []
-        flags = {n: r is not None for n, r in zip(names, replies)}
-        gs_done = bool(msg.global_step and replies[-1] is not None)
-        return flags, gs_done
+            for m in msgs:
+                for name in m.grads:
+                    pipe.zscore(keys.variable_applied(self.container, name), m.id)
+                if m.global_step:
+                    pipe.zscore(gs_key, m.id)
+            replies = iter(await pipe.execute() if len(pipe) else [])
+        flags: list[dict[str, bool]] = []
+        gs: list[bool] = []
+        for m in msgs:
+            flags.append({name: next(replies) is not None for name in m.grads})
+            gs.append(bool(m.global_step and next(replies) is not None))
+        return flags, gs
 
-    async def _apply(self, msg: GradientMessage) -> dict[str, Any]:
-        """Apply ``msg`` to every variable that has not recorded it; return what was done."""
-        assert self.optimizer is not None
-        flags, gs_done = await self._applied(msg)
-        before = [n for n, f in flags.items() if f]
-        if before and len(before) < len(flags):
-            self.log.info(
-                "message %s was partly applied before (redelivery): skipping %s",
-                msg.id,
-                ", ".join(before),
-            )
-        applied_vars: list[str] = []
-        staleness = -1
-        rows = nbytes = 0
-        for name, g in msg.grads.items():
-            if flags[name]:
+    async def _apply_batch(self, q: QueueBase | None, g: _Group, items: list[_Item]) -> None:
+        """Apply the messages of ``items`` (checked, in order) to the in-memory state,
+        recording in ``g`` what each variable must commit."""
+        msgs = [it.msg for it in items if it.msg is not None]
+        flags, gs_done = await self._applied_flags(msgs)
+        plan: list[tuple[_Item, GradientMessage, list[str], bool]] = []
+        work: list[list[tuple[_Owned, Any]]] = []
+        work_bytes = 0
+        for item, m, f, gs in zip(items, msgs, flags, gs_done):
+            if m.id in g.ids:  # the same message twice (a lease ran out): applied once
+                g.skipped += 1
                 continue
+            fresh = [n for n, done in f.items() if not done]
+            if fresh and len(fresh) < len(f):
+                self.log.info(
+                    "message %s was partly applied before (redelivery): skipping %s",
+                    m.id,
+                    ", ".join(n for n, done in f.items() if done),
+                )
+            plan.append((item, m, fresh, bool(m.global_step and not gs)))
+            work.append([(self.owned[n], m.grads[n]) for n in fresh])
+            work_bytes += sum(m.grads[n].nbytes for n in fresh)
+            g.ids.add(m.id)
+        for w in work:
+            for o, _ in w:
+                g.touched.add(o.var.name)
+        counts = {name: len(v.ids) for name, v in g.vars.items()}
+        if work_bytes >= THREAD_MIN_BYTES:
+            # NumPy releases the GIL in large ufuncs: the next messages are read meanwhile
+            poisoned = await asyncio.to_thread(self._run_rules, work, counts)
+        else:
+            poisoned = self._run_rules(work, counts)
+        for k, (item, m, fresh, gs_needed) in enumerate(plan):
+            if k in poisoned:
+                g.ids.discard(m.id)
+                await self._reject(q, g, item, poisoned[k][1], poisoned[k][0])
+                continue
+            g.msgs.append(m)
+            staleness = -1
+            for name in fresh:
+                o = self.owned[name]
+                v = g.vars.get(name)
+                if v is None:
+                    v = g.vars[name] = _Pending()
+                read = m.versions.get(name)
+                if read is not None:
+                    staleness = max(staleness, max(0, o.version + len(v.ids) - read))
+                v.ids.append(m.id)
+                grad = m.grads[name]
+                if isinstance(grad, SparseGradient):
+                    v.rows.append(grad.indices)
+                    g.rows += int(grad.indices.shape[0])
+                else:
+                    v.dense = True
+                    g.rows += int(grad.shape[0]) if grad.ndim else 1
+                g.bytes += grad.nbytes
+            if gs_needed:
+                g.gs_ids.append(m.id)
+            if fresh or gs_needed:
+                g.fresh += 1
+                if staleness >= 0:
+                    g.stale.append((m.worker, staleness))
+            elif m.grads or m.global_step:
+                g.skipped += 1
+                self.log.info("message %s was applied before (redelivery): skipped", m.id)
+
+    def _run_rules(
+        self, work: list[list[tuple[_Owned, Any]]], counts: dict[str, int]
+    ) -> dict[int, tuple[str, str]]:
+        """Apply each message's gradients in order, ``t`` counting on from ``counts``
+        (updates already applied in the group, per variable). A message with NaN or Inf
+        in any gradient is not applied at all: returns {its index: (variable, reason)}."""
+        opt = self.optimizer
+        assert opt is not None
+        poisoned: dict[int, tuple[str, str]] = {}
+        for k, grads in enumerate(work):
+            bad = next((o.var.name for o, grad in grads if not is_finite(grad)), None)
+            if bad is not None:
+                poisoned[k] = (bad, f"gradient of '{bad}' holds NaN or Inf")
+                continue
+            for o, grad in grads:
+                n = counts[o.var.name] = counts.get(o.var.name, 0) + 1
+                if isinstance(grad, SparseGradient):
+                    opt.apply_sparse(o.value, grad.indices, grad.values, o.slots, o.t + n)
+                else:
+                    opt.apply_dense(o.value, grad, o.slots, o.t + n)
+        return poisoned
+
+    async def _commit_group(self, g: _Group) -> None:
+        """Commit every variable the group changed (value, slots, ``t`` and all its
+        message ids in one script each), then advance the global step."""
+        for name, v in g.vars.items():
             o = self.owned[name]
-            read = msg.versions.get(name)
-            if read is not None:
-                staleness = max(staleness, max(0, o.version - read))
             try:
-                await self._commit(o, g, msg.id)
+                await self._commit(o, v)
             except AlreadyAppliedError:
-                # cannot happen with one writer; our copy was changed: reload it
-                self.log.warning("'%s' had applied %s already: reloading it", name, msg.id)
+                # cannot happen with one writer; our copy was changed: reload it, and
+                # have the group delivered again (what this variable lacks is applied then)
+                self.log.warning("'%s' had applied a message of the group: reloading it", name)
+                g.touched.discard(name)
                 del self.owned[name]
                 await self._own(name)
+                g.redo = True
                 continue
-            except StaleTokenError:
-                raise
-            except BaseException:
-                # the commit may or may not have happened: our copy cannot be trusted
-                self.owned.pop(name, None)
-                raise
-            applied_vars.append(name)
-            if isinstance(g, SparseGradient):
-                rows += int(g.indices.shape[0])
-            else:
-                rows += int(g.shape[0]) if g.ndim else 1
-            nbytes += g.nbytes
-        if msg.global_step and not gs_done:
-            await self._advance_global_step(msg.id)
-        fresh = bool(applied_vars) or (msg.global_step and not gs_done)
-        if not fresh and (msg.grads or msg.global_step):
-            self.skipped += 1
-            self.log.info("message %s was applied before (redelivery): skipped", msg.id)
-        return {
-            "vars": applied_vars,
-            "staleness": staleness,
-            "rows": rows,
-            "bytes": nbytes,
-            "fresh": fresh,
-        }
+            g.touched.discard(name)
+        if g.gs_ids:
+            await self._advance_global_step(g.gs_ids)
 
-    async def _commit(self, o: _Owned, g: Any, msg_id: str) -> None:
-        assert self.optimizer is not None
+    async def _commit(self, o: _Owned, v: _Pending) -> None:
+        """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it."""
         opt = self.optimizer
-        t = o.t + 1
-        version = o.version + 1
-        if isinstance(g, SparseGradient):
-            opt.apply_sparse(o.value, g.indices, g.values, o.slots, t)
-            if isinstance(opt, Adam) and not opt.lazy:  # TF1 Adam moves every row
-                await o.var.publish(
-                    o.value, version, self.token, slots=o.slots, applied=msg_id, t=t
-                )
-            else:
-                rows = np.unique(g.indices)
-                await o.var.publish_rows(
-                    rows,
-                    o.value[rows],
-                    version,
-                    self.token,
-                    slot_rows={n: s[rows] for n, s in o.slots.items()},
-                    applied=msg_id,
-                    t=t,
-                )
+        n = len(v.ids)
+        t, version = o.t + n, o.version + n
+        full = v.dense or (isinstance(opt, Adam) and not opt.lazy)  # TF1 Adam moves every row
+        if full:
+            await o.var.publish(o.value, version, self.token, slots=o.slots, applied=v.ids, t=t)
         else:
-            opt.apply_dense(o.value, g, o.slots, t)
-            await o.var.publish(o.value, version, self.token, slots=o.slots, applied=msg_id, t=t)
+            rows = np.unique(np.concatenate(v.rows))
+            await o.var.publish_rows(
+                rows,
+                o.value[rows],
+                version,
+                self.token,
+                slot_rows={name: s[rows] for name, s in o.slots.items()},
+                applied=v.ids,
+                t=t,
+            )
         o.version, o.t = version, t
 
-    async def _advance_global_step(self, msg_id: str) -> None:
+    def _forget(self, g: _Group) -> None:
+        """Drop the in-memory copies the group changed but did not commit (they are
+        loaded again from their last commit when next needed)."""
+        for name in g.touched:
+            self.owned.pop(name, None)
+        g.touched.clear()
+
+    async def _apply(self, msg: GradientMessage) -> _Group:
+        """Apply and commit one message now, without a delivery (tests: a shard that
+        is then "killed" before the ack)."""
+        g = _Group()
+        try:
+            await self._apply_batch(None, g, [_Item(None, msg)])
+            await self._commit_group(g)
+        except BaseException:
+            self._forget(g)
+            raise
+        return g
+
+    async def _advance_global_step(self, ids: list[str]) -> None:
         counter = control.global_step_counter(self.client, self.container)
         await counter.get()  # creates and registers it
         with map_errors():
@@ -578,40 +912,49 @@ class Shard:
                     keys.counter_key(self.container, keys.GLOBAL_STEP),
                     keys.counter_applied(self.container, keys.GLOBAL_STEP),
                 ],
-                args=[msg_id, APPLIED_KEEP_MS],
+                args=[APPLIED_KEEP_MS, *ids],
             )
 
-    async def _released(self, msg: GradientMessage, done: dict[str, Any]) -> None:
-        """After the ack: forget the message's ids and count what was done."""
+    async def _released(self, g: _Group) -> None:
+        """After the ack: forget the group's ids and count what was done."""
+        self.applied += g.fresh
+        self.skipped += g.skipped
         incr: dict[str, int] = {}
-        if done["fresh"]:
-            self.applied += 1
-            incr = {"applied": 1, "rows": done["rows"], "bytes": done["bytes"]}
-            if done["staleness"] >= 0:
-                b = control.stale_bucket(done["staleness"])
-                incr[f"stale|{msg.worker}|{b}"] = 1
-        else:
-            incr = {"skipped": 1}
+        if g.fresh:
+            incr = {"applied": g.fresh, "rows": g.rows, "bytes": g.bytes}
+        if g.skipped:
+            incr["skipped"] = g.skipped
+        for worker, staleness in g.stale:
+            k = f"stale|{worker}|{control.stale_bucket(staleness)}"
+            incr[k] = incr.get(k, 0) + 1
+        if g.fresh or g.skipped:
+            incr["groups"] = 1
         try:
             with map_errors():
+                release: dict[str, list[str]] = {}
+                for m in g.msgs:  # applied now or before: every id the group recorded
+                    for name in m.grads:
+                        release.setdefault(keys.variable_applied(self.container, name), []).append(
+                            m.id
+                        )
+                    if m.global_step:
+                        gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
+                        release.setdefault(gs_key, []).append(m.id)
                 pipe = self.client.commands.pipeline(transaction=False)
-                for name in msg.grads:
-                    pipe.zrem(keys.variable_applied(self.container, name), msg.id)
-                if msg.global_step:
-                    pipe.zrem(keys.counter_applied(self.container, keys.GLOBAL_STEP), msg.id)
-                for k, v in incr.items():
-                    pipe.hincrby(self._prefix + "stats", k, v)
+                for key, ids in release.items():
+                    pipe.zrem(key, *ids)
+                for k, n in incr.items():
+                    pipe.hincrby(self._prefix + "stats", k, n)
                 pipe.hset(self._prefix + "stats", "last_ms", int(time.time() * 1000))
                 await pipe.execute()
         except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
-            self.log.warning("message %s: could not release its ids: %s", msg.id, exc)
+            self.log.warning("could not release the ids of a group: %s", exc)
         self.log.debug(
-            "applied %s (worker %s step %d): %s, staleness %d",
-            msg.id,
-            msg.worker,
-            msg.step,
-            ", ".join(done["vars"]) or "-",
-            done["staleness"],
+            "group of %d message(s): %d applied, %d skipped; committed %s",
+            len(g.deliveries),
+            g.fresh,
+            g.skipped,
+            ", ".join(f"{n} x{len(v.ids)}" for n, v in g.vars.items()) or "-",
         )
 
     # -- dead letters and stats ----------------------------------------------------------------
@@ -654,7 +997,8 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def _raw(value: Any) -> bytes:
+def _raw(delivery: Delivery | None) -> bytes:
+    value = None if delivery is None else delivery.value
     if isinstance(value, np.ndarray) and value.dtype == np.uint8:
         return value.tobytes()
     return b""

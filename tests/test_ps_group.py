@@ -1,0 +1,243 @@
+"""Group commits of a PS shard (qps/ps/shard.py): several messages applied to the
+in-memory state and committed once per variable give exactly the state that applying
+them one by one gives, and a shard that dies between the apply and the commit, or
+between the commit and the ack, loses nothing and applies nothing twice.
+
+The in-process tests run on both backends; the SIGKILL tests use real processes on a
+real server (as tests/test_ps_exactly_once.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import qps
+from qps import keys
+from qps.embedded import EmbeddedServer
+from qps.errors import UnavailableError
+from qps.optimizers import SGD, Adam, Optimizer
+from qps.ps import control
+from qps.ps.shard import Shard, ShardOptions
+from tests.conftest import ClientFactory, until
+
+C = "grp"
+REPO = str(Path(__file__).resolve().parents[1])
+N = 12  # messages
+ROWS = 20
+
+
+def _grads(k: int) -> dict[str, Any]:
+    """Message k: a dense gradient of "w" and sparse rows of "emb" (repeats included),
+    small integers in float64, so that SGD sums are exact in any order."""
+    rng = np.random.default_rng(100 + k)
+    ids = rng.integers(0, ROWS, 5)
+    ids[1] = ids[0]
+    return {
+        "w": rng.integers(-3, 4, 6).astype(np.float64),
+        "emb": (ids, rng.integers(-3, 4, (5, 3)).astype(np.float64)),
+    }
+
+
+def _reference(opt: Optimizer) -> dict[str, np.ndarray]:
+    """Values and slots after applying the N messages one by one, in order."""
+    w, emb = np.zeros(6), np.zeros((ROWS, 3))
+    sw, se = opt.init_slots(w), opt.init_slots(emb)
+    for k in range(N):
+        g = _grads(k)
+        opt.apply_dense(w, g["w"], sw, k + 1)
+        opt.apply_sparse(emb, g["emb"][0], g["emb"][1], se, k + 1)
+    out = {"w": w, "emb": emb}
+    out.update({f"w/{n}": s for n, s in sw.items()})
+    out.update({f"emb/{n}": s for n, s in se.items()})
+    return out
+
+
+async def _setup(client: qps.Client, opt: Optimizer) -> None:
+    await control.configure(client, C, 1, opt)
+    async with qps.Session(client=client, container=C) as s:
+        await s.variable("w", (6,), np.float64, initializer="zeros").create()
+        await s.variable("emb", (ROWS, 3), np.float64, initializer="zeros").create()
+    await control.place_variables(client, C, ["w", "emb"])
+
+
+async def _push_all(client: qps.Client) -> None:
+    """Fill the gradient queue with the N messages (no shard runs yet)."""
+    async with qps.Session(client=client, container=C, worker="w0") as s:
+        for k in range(N):
+            await s.push(_grads(k), step=k)
+
+
+async def _check_state(client: qps.Client, opt: Optimizer, versions: int = N) -> None:
+    want = _reference(opt)
+    for name in ("w", "emb"):
+        st = await (await qps.variables.open_variable(client, name, C)).read_state()
+        np.testing.assert_array_equal(st.value, want[name])  # bit for bit
+        for n in opt.slot_names():
+            np.testing.assert_array_equal(st.slots[n], want[f"{name}/{n}"])
+        assert st.version == versions and st.t == versions, name
+        # every id was released after the ack
+        assert await client.commands.zcard(keys.variable_applied(C, name)) == 0
+    assert await control.global_step_counter(client, C).get() == versions
+    assert await control.dead_letters(client, C, 0) == []
+
+
+async def _drain(client: qps.Client, **kw: Any) -> Shard:
+    """Run a shard until the finished job's queue is drained."""
+    await control.mark_finished(client, C)
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, **kw))
+    assert await asyncio.wait_for(shard.run(), 60) == "finished"
+    return shard
+
+
+@pytest.fixture
+async def client(make_client: ClientFactory) -> AsyncIterator[qps.Client]:
+    yield await make_client()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["adam", "lazy-adam"])
+async def test_a_group_equals_one_by_one(client: qps.Client, lazy: bool) -> None:
+    opt = Adam(learning_rate=0.1, lazy=lazy)
+    await _setup(client, opt)
+    await _push_all(client)
+    shard = await _drain(client, commit_interval_ms=60_000)
+    st = await control.shard_status(client, C, 0)
+    groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
+    assert shard.applied == st.applied == N and 1 <= groups < N  # messages were grouped
+    await _check_state(client, opt)
+
+
+async def test_max_group_1_commits_each_message(client: qps.Client) -> None:
+    opt = Adam(learning_rate=0.1)
+    await _setup(client, opt)
+    await _push_all(client)
+    await _drain(client, max_group=1)
+    groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
+    assert groups == N
+    await _check_state(client, opt)
+
+
+async def test_a_failed_group_commit_leaves_nothing_applied(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit of the first variable fails after the group was applied in memory:
+    the state in Redis is unchanged, the messages go back, the next run applies them."""
+    opt = Adam(learning_rate=0.1)
+    await _setup(client, opt)
+    await _push_all(client)
+    await control.mark_finished(client, C)
+    first = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=60_000))
+    real = Shard._commit
+
+    async def broken(self: Shard, o: Any, v: Any) -> None:
+        raise UnavailableError("Redis went away (test)")
+
+    monkeypatch.setattr(Shard, "_commit", broken)
+    with pytest.raises(UnavailableError):
+        await asyncio.wait_for(first.run(), 60)
+    assert first.owned == {}  # the changed copies were dropped
+    for name in ("w", "emb"):
+        st = await (await qps.variables.open_variable(client, name, C)).read_state()
+        assert st.version == 0 and not st.value.any()
+    assert await control.gradient_queue(client, C, 0).size() == N  # all back, in order
+    monkeypatch.setattr(Shard, "_commit", real)
+    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+    assert await asyncio.wait_for(second.run(), 60) == "finished"
+    assert second.applied == N
+    await _check_state(client, opt)
+
+
+async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every variable committed the group, then the ack failed: the messages come
+    back and are all skipped (their ids are recorded); nothing is applied twice."""
+    opt = Adam(learning_rate=0.1)
+    await _setup(client, opt)
+    await _push_all(client)
+    await control.mark_finished(client, C)
+    first = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=60_000))
+    real = Shard._settle
+
+    async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool) -> bool:
+        if ack:
+            raise UnavailableError("Redis went away (test)")
+        return await real(self, q, ds, ack=ack)
+
+    monkeypatch.setattr(Shard, "_settle", no_ack)
+    with pytest.raises(UnavailableError):
+        await asyncio.wait_for(first.run(), 60)
+    monkeypatch.setattr(Shard, "_settle", real)
+    assert await control.gradient_queue(client, C, 0).size() == N
+    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+    assert await asyncio.wait_for(second.run(), 60) == "finished"
+    assert (second.applied, second.skipped) == (0, N)
+    await _check_state(client, opt)
+
+
+# -- real processes, SIGKILL ---------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    run_dir = tempfile.mkdtemp(prefix="qpsgrp", dir="/tmp")
+    srv = EmbeddedServer(run_dir=run_dir)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["before-commit", "before-ack"])
+async def test_a_shard_killed_inside_a_group_loses_nothing(
+    server: EmbeddedServer, when: str
+) -> None:
+    """A shard process SIGKILLs itself with a group of N messages applied in memory
+    (``before-commit``) or committed but not acknowledged (``before-ack``); the next
+    shard (after the deliveries' leases run out) leaves exactly the one-by-one state.
+    SGD: the messages may come back in another order (the queue puts each expired
+    delivery back at the front), and the sums are exact in any order."""
+    opt = SGD(learning_rate=1.0)
+    client = await qps.connect(server.url)
+    try:
+        await _setup(client, opt)
+        await _push_all(client)
+        env = {**os.environ, "QPS_LEASE_MS": "3000", "PYTHONPATH": REPO}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, os.path.join(REPO, "tests", "ps_worker.py"), "--crash-shard",
+            server.url, C, when,
+            env=env, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == -9, out
+        assert f"killing myself {when} a group of {N} message(s)" in out.decode()
+        committed = when == "before-ack"
+        st = await (await qps.variables.open_variable(client, "w", C)).read_state()
+        assert st.version == (N if committed else 0)
+        # the next shard gets the messages back once their deliveries' leases run out
+        second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+        task = asyncio.create_task(second.run())
+
+        async def redelivered() -> bool:
+            assert not task.done(), task
+            return second.applied + second.skipped >= N
+
+        await until(redelivered, timeout=30)
+        await control.mark_finished(client, C)
+        assert await asyncio.wait_for(task, 30) == "finished"
+        assert (second.applied, second.skipped) == ((0, N) if committed else (N, 0))
+        await _check_state(client, opt)
+    finally:
+        await client.close()
