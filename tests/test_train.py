@@ -152,3 +152,36 @@ def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(tmp_path:
     assert result["global_step"] == step + 100  # the restored step, then 2 x 50 pushes
     assert result["test_value"] >= 0.9, result
     assert _processes_of(c) == []
+
+
+def test_sync_mode_applies_one_averaged_update_per_step() -> None:
+    """SyncReplicasOptimizer semantics: every update is the mean of one gradient per
+    worker, so the global step counts updates (not pushes) and ends at exactly
+    --steps; the accuracy matches async training's."""
+    c = _container()
+    proc = _train("--mode", "sync", "--ps", "2", "--workers", "2", "--steps", "300",
+                  "--json", "-q", "--container", c)  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["global_step"] == 300 and result["examples"] == 2 * 300 * 64, result
+    assert result["failed"] == {} and result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []
+
+
+def test_sync_mode_with_a_backup_worker_survives_a_killed_worker() -> None:
+    c = _container()
+    proc = _train("--mode", "sync", "--backup-workers", "1", "--ps", "1", "--workers", "3",
+                  "--steps", "300", "--json", "--container", c, "--log-every", "20")  # fmt: skip
+    _wait_for_line(proc, "worker2: step 20,")
+    victims = [p for p in _processes_of(c) if "--index 2 " in p]
+    assert len(victims) == 1, _processes_of(c)
+    os.kill(int(victims[0].split(":")[0]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["failed"] == {"worker2": -signal.SIGKILL} and result["stopped"] == "finished"
+    # updates of 2 gradients each: the two survivors' 300 steps make at most 300 updates
+    assert 150 <= result["global_step"] <= 320, result
+    assert result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []

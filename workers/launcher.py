@@ -59,6 +59,9 @@ class TrainConfig:
     optimizer: str = "sgd"
     learning_rate: float = 0.05
     max_staleness: int | None = None
+    #: synchronous training: updates average this many workers' gradients (TF's
+    #: replicas_to_aggregate; the rest of num_workers are backups); None: asynchronous
+    sync_replicas: int | None = None
     seed: int = 1
     url: str | None = None
     container: str | None = None
@@ -222,12 +225,18 @@ async def run_job(
                 info = await checkpoint.restore(client, path, container=container)
                 result.restored_from, result.restored_step = str(path), info.global_step
                 emit(f"qps train: restored {path} (global step {info.global_step})")
-            await control.configure(client, container, cfg.num_shards, optimizer)
+            sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
+            await control.configure(client, container, cfg.num_shards, optimizer, sync=sync)
             emit(
                 f"qps train: container {container}: {cfg.num_shards} PS shard(s), "
                 f"{cfg.num_workers} worker(s), model {cfg.model}, {cfg.optimizer} "
                 f"lr {cfg.learning_rate}, {cfg.steps} steps per worker"
                 + (f", max staleness {cfg.max_staleness}" if cfg.max_staleness is not None else "")
+                + (
+                    f", synchronous ({cfg.sync_replicas} of {cfg.num_workers} per update)"
+                    if cfg.sync_replicas is not None
+                    else ""
+                )
             )
             shards = [
                 await _start(f"ps{i}", cfg.shard_args(i, url, container), emit)
@@ -239,8 +248,9 @@ async def run_job(
             ]
             roles = shards + workers
             result.exit_code = await _watch(
-                client, container, shards, workers, result, progress, stop, emit
-            )
+                client, container, shards, workers, result, progress, stop, emit,
+                cfg.sync_replicas,
+            )  # fmt: skip
             result.seconds = time.monotonic() - start
             result.global_step, result.examples, result.last_loss = await _progress(
                 client, container
@@ -285,8 +295,10 @@ async def _watch(
     progress: Callable[[str], None] | None,
     stop: asyncio.Event,
     emit: Callable[[str], None],
+    sync_replicas: int | None = None,
 ) -> int:
-    """Wait for the workers, then finish the job and wait for the shards."""
+    """Wait for the workers, then finish the job and wait for the shards. Synchronous
+    training ends once fewer than ``sync_replicas`` workers run: no update can form."""
     waits = {asyncio.ensure_future(r.proc.wait()): r for r in shards + workers}
     stopping = asyncio.ensure_future(stop.wait())
     running_workers = set(workers)
@@ -311,6 +323,13 @@ async def _watch(
             elif code != 0 and not finished:  # a shard failed: the job cannot go on
                 result.stopped = f"{role.name} failed"
                 return 1
+        if not finished and sync_replicas is not None and 0 < len(running_workers) < sync_replicas:
+            emit(
+                f"qps train: {len(running_workers)} worker(s) left, fewer than the "
+                f"{sync_replicas} an update needs: finishing the job"
+            )
+            finished = True
+            await control.mark_finished(client, container)
         if not running_workers and not finished:
             finished = True
             if len(result.failed) >= len(workers):

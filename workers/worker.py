@@ -51,7 +51,13 @@ import numpy as np
 
 import qps
 from qps import checkpoint
-from qps.errors import CancelledError, InvalidArgumentError, NotFoundError, OutOfRangeError
+from qps.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+)
 from qps.ps import control
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
@@ -308,6 +314,12 @@ class Worker:
         batches = self._batches(source)
         res.stopped_by = "end of input"
         pulled: tuple[dict[str, Any], dict[str, int]] | None = None
+        ps_cfg = await control.read_config(sess.client, cfg.container)
+        sync = None if ps_cfg is None else ps_cfg.sync
+        local_step = res.global_step  # synchronous: the update our gradients are for
+        tokens = (
+            None if sync is None else control.token_queue(sess.client, cfg.container, cfg.index)
+        )
         await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
         stop_asked = await self._stop_asked()
         try:
@@ -328,10 +340,22 @@ class Worker:
                     res.waited_ms += await job.ssp_wait(
                         sess.client, cfg.container, cfg.name, step, cfg.max_staleness, self.names
                     )
-                if pulled is None or self.sparse:
+                if pulled is None or self.sparse or sync is not None:
                     pulled = await self._pull(batch)
                 params, versions = pulled
-                if self.sparse:  # the next batch's rows are pulled with it
+                if sync is not None:  # push for update local_step, then wait for it
+                    assert tokens is not None
+                    loss, grads = await self._compute(params, batch)
+                    await sess.push(grads, step=local_step, versions=versions)
+                    token = await self._token(tokens, sync[0])
+                    if token is None:
+                        res.stopped_by = "too few workers left to make an update"
+                        step += 1
+                        res.steps, res.last_loss = step, loss
+                        res.examples += int(batch[-1].shape[0])
+                        break
+                    local_step = token
+                elif self.sparse:  # the next batch's rows are pulled with it
                     loss, grads = await self._compute(params, batch)
                     await sess.push(grads, step=step, versions=versions)
                     pulled = None
@@ -389,6 +413,27 @@ class Worker:
         or "" if nobody asked."""
         got = await job.stop_requested(self.sess.client, self.cfg.container)
         return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
+
+    async def _token(self, tokens: Any, replicas: int) -> int | None:
+        """Synchronous training: block for this worker's next token (the global step
+        after the update its gradient went to, or a later one if it was dropped as
+        stale). None when it cannot come: fewer than ``replicas`` workers are still
+        running (the others are done), or the job is finished."""
+        cfg, client = self.cfg, self.sess.client
+        while True:
+            try:
+                got = int(await tokens.dequeue(timeout=job.WAKE_SECONDS))
+                # tokens of updates made without us (our gradient was stale, or we were
+                # slow): take them all and go on from the newest
+                if (more := await tokens.size()) > 0:
+                    got = max(got, int(np.max(await tokens.dequeue_many(more))))
+                return got
+            except DeadlineExceededError:
+                done = await job.finished_workers(client, cfg.container)
+                if cfg.num_workers - len(done - {cfg.name}) < replicas:
+                    return None
+                if await control.is_finished(client, cfg.container) or self.stop.is_set():
+                    return None
 
     async def _checkpoint(self) -> None:
         assert self.cfg.checkpoint_dir

@@ -36,8 +36,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 #: options a --config TOML file may set (its keys, with '-' or '_')
 CONFIG_KEYS = {
-    "example", "ps", "workers", "mode", "max_staleness", "model", "data", "batch_size",
-    "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
+    "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
+    "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "checkpoint_dir", "checkpoint_every", "log_every",
 }  # fmt: skip
 
@@ -93,7 +93,16 @@ def _load_config(path: str) -> dict[str, Any]:
     type=click.Choice(["async", "ssp", "sync"]),
     default=None,
     help="async: every gradient applied on arrival (TF's default) [async]; ssp: bounded "
-    "staleness, see --max-staleness; sync: SyncReplicasOptimizer (not available yet).",
+    "staleness, see --max-staleness; sync: SyncReplicasOptimizer: each update applies the "
+    "mean of one gradient per worker, all computed from the same parameters (see "
+    "--backup-workers).",
+)
+@click.option(
+    "--backup-workers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="sync: updates aggregate workers - B gradients; the slowest B are backups whose "
+    "late gradients are dropped (TF's replicas_to_aggregate < total_num_replicas) [0].",
 )
 @click.option(
     "--max-staleness",
@@ -150,11 +159,9 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     merged = {**preset, **settings, **given}
     mode = merged.pop("mode", "async")
     staleness = merged.pop("max_staleness", None)
-    if mode == "sync":
-        raise CliError(
-            "--mode sync (SyncReplicasOptimizer) is not available yet: use async or ssp",
-            EXIT_USAGE,
-        )
+    backups = merged.pop("backup_workers", None)
+    if backups is not None and mode != "sync":
+        raise CliError("--backup-workers needs --mode sync", EXIT_USAGE)
     if mode == "ssp":
         staleness = 2 if staleness is None else staleness
     elif staleness is not None:
@@ -165,7 +172,16 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     merged.pop("workers", None)
     if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
         raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
-    cfg = TrainConfig(max_staleness=staleness, **merged)
+    sync_replicas = None
+    if mode == "sync":
+        sync_replicas = merged["num_workers"] - (backups or 0)
+        if sync_replicas < 1:
+            raise CliError(
+                f"--backup-workers {backups} leaves no worker to aggregate "
+                f"(--workers {merged['num_workers']})",
+                EXIT_USAGE,
+            )
+    cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
     tty = sys.stderr.isatty() and not json
 
     def emit(line: str) -> None:

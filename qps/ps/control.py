@@ -71,6 +71,9 @@ class PSConfig:
     num_shards: int
     optimizer: Optimizer | None
     queue_capacity: int = 8  # GRADIENT_QUEUE_CAPACITY unless the job set another
+    #: synchronous training (SyncReplicasOptimizer): (replicas_to_aggregate,
+    #: total_num_replicas), or None for asynchronous training
+    sync: tuple[int, int] | None = None
 
 
 async def read_config(client: Client, container: str) -> PSConfig | None:
@@ -81,7 +84,7 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
     """
     with map_errors():
         raw = await client.commands.hmget(
-            keys.ps_config(container), "num_shards", "optimizer", "queue_capacity"
+            keys.ps_config(container), "num_shards", "optimizer", "queue_capacity", "sync"
         )
     if raw[0] is None:
         return None
@@ -89,9 +92,13 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
         n = int(raw[0])
         opt = None if raw[1] is None else optimizer_from_spec(json.loads(raw[1]))
         cap = GRADIENT_QUEUE_CAPACITY if raw[2] is None else int(raw[2])
+        sync = None
+        if raw[3] is not None:
+            r, t = (int(x) for x in _text(raw[3]).split("/"))
+            sync = (r, t)
     except (ValueError, InvalidArgumentError) as exc:
         raise DataLossError(f"bad PS config in container '{container}': {exc}") from exc
-    return PSConfig(n, opt, cap)
+    return PSConfig(n, opt, cap, sync)
 
 
 async def configure(
@@ -100,6 +107,7 @@ async def configure(
     num_shards: int,
     optimizer: Optimizer | None = None,
     queue_capacity: int | None = None,
+    sync: tuple[int, int] | None = None,
 ) -> PSConfig:
     """Record the PS job of ``container`` (first caller wins) and return it: every shard
     and worker must agree on ``num_shards``, and every shard applies the one optimizer.
@@ -122,10 +130,23 @@ async def configure(
             if queue_capacity < 1:
                 raise InvalidArgumentError(f"queue_capacity must be >= 1, got {queue_capacity}")
             pipe.hsetnx(key, "queue_capacity", queue_capacity)
+        if sync is not None:
+            r, t = sync
+            if not (isinstance(r, int) and isinstance(t, int) and 1 <= r <= t):
+                raise InvalidArgumentError(
+                    f"sync needs 1 <= replicas_to_aggregate <= total_num_replicas, got {sync}"
+                )
+            pipe.hsetnx(key, "sync", f"{r}/{t}")
         pipe.sadd(keys.CONTAINERS, container)
         await pipe.execute()
     cfg = await read_config(client, container)
     assert cfg is not None
+    if sync is not None and cfg.sync != tuple(sync):
+        raise InvalidArgumentError(
+            f"the PS job of container '{container}' is "
+            + ("asynchronous" if cfg.sync is None else f"synchronous {cfg.sync[0]}/{cfg.sync[1]}")
+            + f", not synchronous {sync[0]}/{sync[1]} (reset the container to change it)"
+        )
     if queue_capacity is not None and cfg.queue_capacity != queue_capacity:
         raise InvalidArgumentError(
             f"the PS job of container '{container}' has gradient queues of capacity "
@@ -474,3 +495,21 @@ async def drop_dead_letters(client: Client, container: str, shard: int) -> int:
         pipe.delete(key)
         n, _ = await pipe.execute()
     return int(n)
+
+
+# -- synchronous training: tokens -------------------------------------------------------------
+
+
+def token_queue(client: Client, container: str, worker: int) -> FIFOQueue:
+    """Worker ``worker``'s token queue in synchronous training (TF's ``sync_token_q``, one
+    per worker here so that each worker takes exactly its own token): the shards put
+    the new global step there after each aggregated update; the worker blocks on it
+    after pushing a gradient."""
+    return FIFOQueue(
+        -1,
+        [np.int64],
+        shapes=[[]],
+        shared_name=f"ps/sync/token/{int(worker)}",
+        container=container,
+        client=client,
+    )

@@ -296,6 +296,43 @@ class _Group:
         return len(self.deliveries) >= max_items or self.nbytes >= max_bytes
 
 
+@dataclass
+class _Accum:
+    """Synchronous training: the fresh gradients taken for the shard's next update
+    (TF's ConditionalAccumulators, one per variable), held unacknowledged until the
+    update commits."""
+
+    items: list[_Item] = field(default_factory=list)
+    dense: dict[str, npt.NDArray[Any]] = field(default_factory=dict)  # running sums
+    count: dict[str, int] = field(default_factory=dict)  # gradients per variable
+    sparse: dict[str, list[SparseGradient]] = field(default_factory=dict)
+
+    def add(self, msg: GradientMessage) -> None:
+        for name, grad in msg.grads.items():
+            self.count[name] = self.count.get(name, 0) + 1
+            if isinstance(grad, SparseGradient):
+                self.sparse.setdefault(name, []).append(grad)
+            elif name in self.dense:
+                self.dense[name] += grad
+            else:
+                self.dense[name] = np.array(grad, copy=True)
+
+    def mean(self, name: str) -> Any:
+        """The aggregated gradient of ``name``: dense, the mean over the gradients taken;
+        sparse, each row averaged over the gradients that hold it (TF's
+        SparseConditionalAccumulator)."""
+        if name in self.dense:
+            return self.dense[name] / self.count[name]
+        parts = self.sparse[name]
+        idx = np.concatenate([p.indices for p in parts])
+        vals = np.concatenate([p.values for p in parts])
+        rows, inverse = np.unique(idx, return_inverse=True)
+        sums = np.zeros((len(rows), *vals.shape[1:]), dtype=vals.dtype)
+        np.add.at(sums, inverse, vals)
+        hits = np.bincount(inverse, minlength=len(rows)).astype(vals.dtype)
+        return SparseGradient(rows, sums / hits.reshape(-1, *([1] * (vals.ndim - 1))))
+
+
 def _joined(ds: list[Delivery]) -> Delivery:
     """Several deliveries as one (one ack, nack or touch call for all, in order)."""
     return ds[0] if len(ds) == 1 else Delivery(None, tuple(t for d in ds for t in d.tokens))
@@ -363,6 +400,11 @@ class Shard:
         #: variables' loading), None before.
         self.loop_started: float | None = None
         self._inbox: _Inbox | None = None
+        #: synchronous training: (replicas_to_aggregate, total_num_replicas), else None
+        self.sync: tuple[int, int] | None = None
+        self.sync_step = 0  # aggregated updates this shard has committed
+        self.dropped = 0  # stale gradients dropped (synchronous training)
+        self._acc = _Accum()
 
     # -- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -388,6 +430,7 @@ class Shard:
                 "(qps ps --optimizer ...)"
             )
         self.optimizer = cfg.optimizer
+        self.sync = cfg.sync
         self._queue = control.gradient_queue(
             self.client, self.container, self.shard, cfg.queue_capacity
         )
@@ -404,11 +447,17 @@ class Shard:
                 {"starts": 1},
             )
             await self._own_placed()
+            if self.sync is not None:
+                self.sync_step = max((o.t for o in self.owned.values()), default=0)
             self.log.info(
-                "owning %d variable(s) with token %d, optimizer %s",
+                "owning %d variable(s) with token %d, optimizer %s%s",
                 len(self.owned),
                 self.token,
                 self.optimizer.name,
+                ""
+                if self.sync is None
+                else f", synchronous: {self.sync[0]} of {self.sync[1]} replicas per update "
+                f"(update {self.sync_step})",
             )
             reason = await self._loop()
         finally:
@@ -564,7 +613,10 @@ class Shard:
                 if self._stop.is_set():
                     break
                 if inbox.items:
-                    await self._group(q, inbox)
+                    if self.sync is None:
+                        await self._group(q, inbox)
+                    else:
+                        await self._sync_round(q, inbox)
                 elif inbox.error is not None:
                     raise inbox.error
                 elif inbox.done:
@@ -579,8 +631,10 @@ class Shard:
             fetcher.cancel()
             toucher.cancel()
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
-            left = [it.delivery for it in inbox.items if it.delivery is not None]
+            left = [it.delivery for it in self._acc.items if it.delivery is not None]
+            left += [it.delivery for it in inbox.items if it.delivery is not None]
             inbox.items.clear()
+            self._acc = _Accum()
             if left:  # taken ahead, never applied: back to the front, in order
                 await self._settle(q, left, ack=False)
             self._inbox = None
@@ -863,10 +917,11 @@ class Shard:
         if g.gs_ids:
             await self._advance_global_step(g.gs_ids)
 
-    async def _commit(self, o: _Owned, v: _Pending) -> None:
-        """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it."""
+    async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
+        """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it
+        (as ``updates`` updates if given: one aggregated update of several messages)."""
         opt = self.optimizer
-        n = len(v.ids)
+        n = len(v.ids) if updates is None else updates
         t, version = o.t + n, o.version + n
         full = v.dense or (isinstance(opt, Adam) and not opt.lazy)  # TF1 Adam moves every row
         if full:
@@ -902,6 +957,102 @@ class Shard:
             self._forget(g)
             raise
         return g
+
+    # -- synchronous training ------------------------------------------------------------------
+    async def _sync_round(self, q: QueueBase, inbox: _Inbox) -> None:
+        """Take what the inbox holds into the accumulator: dead-letter bad messages, ack
+        redeliveries of committed ones and stale gradients (computed from an older
+        update than the shard's next one: dropped and counted, as TF does), keep the
+        rest unacknowledged; once ``replicas_to_aggregate`` are held, apply their mean
+        as one update and commit it."""
+        assert self.sync is not None
+        batch = []
+        while inbox.items:
+            batch.append(inbox.take())
+        acc = self._acc
+        for item in batch:
+            m = item.msg
+            if m is None:
+                await self._reject(q, _Group(), item, item.error, None)
+                continue
+            try:
+                await self._check(m)
+            except _Rejected as rej:
+                await self._reject(q, _Group(), item, rej.reason, rej.variable)
+                continue
+            bad = next((n for n, g in m.grads.items() if not is_finite(g)), None)
+            if bad is not None:
+                await self._reject(q, _Group(), item, f"gradient of '{bad}' holds NaN or Inf", bad)
+                continue
+            flags, _ = await self._applied_flags([m])
+            if m.grads and all(flags[0].values()):
+                await self._settle(q, [item.delivery] if item.delivery else [], ack=True)
+                self.skipped += 1
+                continue
+            if m.step < self.sync_step:
+                await self._settle(q, [item.delivery] if item.delivery else [], ack=True)
+                self.dropped += 1
+                await self._stats({}, {"dropped_stale": 1, f"dropped|{m.worker}": 1})
+                continue
+            acc.items.append(item)
+            acc.add(m)
+        if len(acc.items) >= self.sync[0]:
+            await self._sync_update(q)
+
+    async def _sync_update(self, q: QueueBase) -> None:
+        acc, self._acc = self._acc, _Accum()
+        opt = self.optimizer
+        assert opt is not None
+        msgs = [it.msg for it in acc.items if it.msg is not None]
+        deliveries = [it.delivery for it in acc.items if it.delivery is not None]
+        g = _Group(deliveries=deliveries, msgs=msgs, fresh=len(msgs))
+        try:
+            ids: dict[str, list[str]] = {}
+            for m in msgs:
+                for name in m.grads:
+                    ids.setdefault(name, []).append(m.id)
+            for name in ids:
+                o = self.owned[name]
+                grad = acc.mean(name)
+                g.touched.add(name)
+                if isinstance(grad, SparseGradient):
+                    opt.apply_sparse(o.value, grad.indices, grad.values, o.slots, o.t + 1)
+                    v = _Pending(ids=ids[name], rows=[grad.indices])
+                else:
+                    opt.apply_dense(o.value, grad, o.slots, o.t + 1)
+                    v = _Pending(ids=ids[name], dense=True)
+                await self._commit(o, v, updates=1)
+                g.touched.discard(name)
+            if self.shard == control.GLOBAL_STEP_SHARD:
+                await self._advance_global_step([f"sync.{self.sync_step + 1}"])
+        except BaseException:
+            self._forget(g)
+            await self._settle(q, deliveries, ack=False)
+            raise
+        self.sync_step += 1
+        await self._settle(q, deliveries, ack=True)
+        await self._released(g)
+        await self._sync_tokens(self.sync_step)
+
+    async def _sync_tokens(self, step: int) -> None:
+        """Once every shard holding variables has committed update ``step``, give each
+        worker a token (the new global step): each is blocked on its own token queue."""
+        assert self.sync is not None
+        key = keys.container_prefix(self.container) + f"ps:sync:done:{step}"
+        with map_errors():
+            pipe = self.client.commands.pipeline(transaction=True)
+            pipe.incr(key)
+            pipe.pexpire(key, 3_600_000)
+            done, _ = await pipe.execute()
+        placed = await control.read_placement(self.client, self.container)
+        needed = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
+        if int(done) == needed:
+            await asyncio.gather(
+                *(
+                    control.token_queue(self.client, self.container, k).enqueue(np.int64(step))
+                    for k in range(self.sync[1])
+                )
+            )
 
     async def _advance_global_step(self, ids: list[str]) -> None:
         counter = control.global_step_counter(self.client, self.container)
