@@ -62,7 +62,7 @@ def _reference(opt: Optimizer) -> dict[str, np.ndarray]:
 
 
 async def _setup(client: qps.Client, opt: Optimizer) -> None:
-    await control.configure(client, C, 1, opt)
+    await control.configure(client, C, 1, opt, queue_capacity=64)  # room for N messages
     async with qps.Session(client=client, container=C) as s:
         await s.variable("w", (6,), np.float64, initializer="zeros").create()
         await s.variable("emb", (ROWS, 3), np.float64, initializer="zeros").create()
@@ -147,7 +147,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     for name in ("w", "emb"):
         st = await (await qps.variables.open_variable(client, name, C)).read_state()
         assert st.version == 0 and not st.value.any()
-    assert await control.gradient_queue(client, C, 0).size() == N  # all back, in order
+    assert await control.gradient_queue(client, C, 0, 64).size() == N  # all back, in order
     monkeypatch.setattr(Shard, "_commit", real)
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
@@ -176,7 +176,7 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(first.run(), 60)
     monkeypatch.setattr(Shard, "_settle", real)
-    assert await control.gradient_queue(client, C, 0).size() == N
+    assert await control.gradient_queue(client, C, 0, 64).size() == N
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
     assert (second.applied, second.skipped) == (0, N)
