@@ -1,5 +1,7 @@
-"""W4 train-async-small and W5 train-async-large (../shared/WORKLOADS.md): qps against a
-minimal raw-Redis PS and single-process NumPy, measured in one run.
+"""W4 train-async-small, W5 train-async-large and W6 train-sync-small
+(../shared/WORKLOADS.md): qps against a minimal raw-Redis PS and single-process NumPy,
+measured in one run (W6: qps --mode sync against a raw PS that averages one gradient
+per worker per update).
 
 * W4: the digits MLP 64-128-10, batch 64, SGD 0.05, 2 workers x 1,500 steps.
   W5: the teacher data, MLP 784-1024-1024-10, batch 128, SGD 0.01, 2 workers x 300.
@@ -16,7 +18,7 @@ minimal raw-Redis PS and single-process NumPy, measured in one run.
 Metric: examples/s = steps x workers x batch / T, and the test accuracy of the final
 parameters. A dedicated redis-server (TCP loopback, no persistence) serves qps and raw.
 
-    python bench/train_async.py [--workload w4|w5] [--reps 3] [--threads 1|default]
+    python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 WORKLOADS: dict[str, dict[str, Any]] = {
     "w4": {"steps": 1500, "batch": 64, "lr": 0.05, "sizes": [(64, 128), (128, 10)],
            "data": "digits", "model": "mlp:64,128,10"},
+    # W6: W4 synchronous: each update is the mean of one gradient per worker
+    "w6": {"steps": 1500, "batch": 64, "lr": 0.05, "sizes": [(64, 128), (128, 10)],
+           "data": "digits", "model": "mlp:64,128,10", "sync": True},
     "w5": {"steps": 300, "batch": 128, "lr": 0.01,
            "sizes": [(784, 1024), (1024, 1024), (1024, 10)],
            "data": "teacher", "model": "mlp:784,1024,1024,10"},
@@ -50,13 +55,14 @@ STEPS = BATCH = 0
 LR = np.float32(0)
 SIZES: list[tuple[int, int]] = []
 DATA = MODEL = ""
+SYNC = False
 
 
 def configure(name: str) -> None:
-    global STEPS, BATCH, LR, SIZES, DATA, MODEL
+    global STEPS, BATCH, LR, SIZES, DATA, MODEL, SYNC
     w = WORKLOADS[name]
     STEPS, BATCH, LR, SIZES = w["steps"], w["batch"], np.float32(w["lr"]), w["sizes"]
-    DATA, MODEL = w["data"], w["model"]
+    DATA, MODEL, SYNC = w["data"], w["model"], bool(w.get("sync"))
 
 
 # -- data and model, no qps code (the raw and numpy variants) ---------------------------------
@@ -166,6 +172,16 @@ def _raw_ps(workload: str, url: str, ready: Any) -> None:
     p = init()
     r.set("params", flat(p))
     ready.set()
+    if SYNC:  # W6: average one gradient from each worker, then ack both
+        for _ in range(STEPS):
+            msgs = [r.blpop(["grads"])[1] for _ in range(WORKERS)]
+            gs = [unflat(m[1:]) for m in msgs]
+            for i, a in enumerate(p):
+                a -= LR * (sum(g[i] for g in gs) / WORKERS)
+            r.set("params", flat(p))
+            for m in msgs:
+                r.rpush(b"ack:" + m[:1], 1)
+        return
     for _ in range(STEPS * WORKERS):
         _, msg = r.blpop(["grads"])
         wid, g = msg[:1], unflat(msg[1:])
@@ -229,6 +245,7 @@ def run_qps(url: str, rep: int) -> dict[str, Any]:
     cfg = TrainConfig(
         num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
         model=MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
+        sync_replicas=WORKERS if SYNC else None,
     )  # fmt: skip
 
     async def main() -> tuple[Any, dict[str, Any]]:
@@ -292,7 +309,7 @@ def main() -> None:
     print("|---|---|---|")
     for k in ("qps", "raw", "numpy"):
         print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} |")
-    goal = {"w4": 1.2, "w5": 2.0}[args.workload]
+    goal = {"w4": 1.2, "w5": 2.0, "w6": 1.0}[args.workload]
     print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}); qps staleness "
           f"p50 {stale['staleness_p50']} / p99 {stale['staleness_p99']}")  # fmt: skip
     if args.json:
