@@ -59,6 +59,7 @@ from qps.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    QpsError,
 )
 from qps.initializers import Initializer
 from qps.transport import Client, map_errors
@@ -465,6 +466,37 @@ def _ranges_arg(
     lo = (starts - seg * lay.seg_rows) * lay.row_bytes
     x = counts * lay.row_bytes + (lo + last if last else 0)
     return ",".join(f"{a} {b} {c}" for a, b, c in zip(seg.tolist(), lo.tolist(), x.tolist()))
+
+
+async def read_many(variables: Sequence[Variable]) -> list[VariableValue]:
+    """:meth:`Variable.read` of several variables of one client; the small ones (one
+    script each) all in one round trip, as a pipeline on the client's lean connection.
+    Each value is an exact snapshot of its variable (not one instant for all)."""
+    out: list[VariableValue | None] = [None] * len(variables)
+    small = [k for k, v in enumerate(variables) if v._opened and v.small]
+    client = variables[small[0]]._client if small else None
+    if client is not None and len(small) > 1 and all(
+        variables[k]._client is client for k in small
+    ):
+        sha = _scripts_of(client).read.sha
+        try:
+            replies = await client.run_commands(
+                [(b"EVALSHA", sha, 1, variables[k]._meta) for k in small]
+            )
+        except QpsError:  # e.g. NOSCRIPT: the plain reads below load the script
+            replies = None
+        if replies is not None:
+            for k, reply in zip(small, replies):
+                v = variables[k]
+                if _text(reply[0]) != "ok":
+                    raise v._gone()
+                if reply[3] is None:
+                    raise DataLossError(f"{v._where()}: its data key is missing")
+                out[k] = VariableValue(v._array(reply[3]), _int(reply[1]))
+    rest = [k for k, got in enumerate(out) if got is None]
+    for k, got in zip(rest, await asyncio.gather(*(variables[k].read() for k in rest))):
+        out[k] = got
+    return [got for got in out if got is not None]
 
 
 # -- the variable ----------------------------------------------------------------------------
@@ -1037,6 +1069,11 @@ class Variable:
             if got is not None:
                 return got
         return await self._read_atomic(client)
+
+    @property
+    def small(self) -> bool:
+        """Whether one read script returns the whole value (see :func:`read_many`)."""
+        return self._layout.nseg <= 1 and self.nbytes <= varspec.CHUNK_BYTES
 
     def _assemble(self, parts: Sequence[bytes]) -> bytearray | None:
         """The chunks in one buffer; None if one is short (its key expired or was

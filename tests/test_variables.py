@@ -650,3 +650,24 @@ def test_cli_var(redis_url: str, cname: str) -> None:
 
     stat = json.loads(invoke("container", "stat", cname, "--url", redis_url, "--json").output)
     assert stat["resource_counts"]["variables"] == 3
+
+
+async def test_read_many_pipelines_small_variables_and_survives_a_script_flush(client):
+    from qps.variables import read_many
+
+    vs = [
+        qps.Variable(f"rm{k}", (3,), np.float32, initializer="ones", client=client)
+        for k in range(3)
+    ]
+    big = qps.Variable("rm-big", (600_000,), np.float32, initializer="zeros", client=client)
+    for v in (*vs, big):
+        await v.create()
+    await vs[1].fence(1)
+    await vs[1].publish(np.array([1, 2, 3], np.float32), 1, 1)
+    got = await read_many([*vs, big])
+    assert [g.value.tolist() for g in got[:3]] == [[1, 1, 1], [1, 2, 3], [1, 1, 1]]
+    assert [g.version for g in got[:3]] == [(await v.read()).version for v in vs]
+    assert got[3].value.shape == (600_000,) and not got[3].value.any()
+    await client.commands.script_flush()  # the pipelined EVALSHAs get NOSCRIPT
+    again = await read_many(vs)
+    assert [g.value.tolist() for g in again] == [[1, 1, 1], [1, 2, 3], [1, 1, 1]]

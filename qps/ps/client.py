@@ -26,7 +26,7 @@ from qps.ps import control
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
 from qps.transport import Client
-from qps.variables import Variable, VariableValue, open_variable
+from qps.variables import Variable, VariableValue, open_variable, read_many
 
 __all__ = ["PSClient", "default_worker"]
 
@@ -106,7 +106,7 @@ class PSClient:
         single = isinstance(variables, (str, Variable))
         items = [variables] if single else list(variables)
         vars_ = [await self.variable(v) for v in items]
-        values = await asyncio.gather(*(v.read() for v in vars_))
+        values = await read_many(vars_)
         out = {}
         for var, val in zip(vars_, values):
             self._seen[var.name] = val.version
