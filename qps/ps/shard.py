@@ -899,12 +899,17 @@ class Shard:
 
     async def _commit_group(self, g: _Group) -> None:
         """Commit every variable the group changed (value, slots, ``t`` and all its
-        message ids in one script each), then advance the global step."""
-        for name, v in g.vars.items():
-            o = self.owned[name]
-            try:
-                await self._commit(o, v)
-            except AlreadyAppliedError:
+        message ids in one script each, the variables concurrently: each commit is atomic
+        on its own), then advance the global step."""
+        names = list(g.vars)
+        results = await asyncio.gather(
+            *(self._commit(self.owned[n], g.vars[n]) for n in names), return_exceptions=True
+        )
+        failure: BaseException | None = None
+        for name, r in zip(names, results):
+            if r is None:
+                g.touched.discard(name)
+            elif isinstance(r, AlreadyAppliedError):
                 # cannot happen with one writer; our copy was changed: reload it, and
                 # have the group delivered again (what this variable lacks is applied then)
                 self.log.warning("'%s' had applied a message of the group: reloading it", name)
@@ -912,8 +917,10 @@ class Shard:
                 del self.owned[name]
                 await self._own(name)
                 g.redo = True
-                continue
-            g.touched.discard(name)
+            elif failure is None:
+                failure = r
+        if failure is not None:
+            raise failure
         if g.gs_ids:
             await self._advance_global_step(g.gs_ids)
 
@@ -1011,18 +1018,28 @@ class Shard:
             for m in msgs:
                 for name in m.grads:
                     ids.setdefault(name, []).append(m.id)
+            pending: dict[str, _Pending] = {}
             for name in ids:
                 o = self.owned[name]
                 grad = acc.mean(name)
                 g.touched.add(name)
                 if isinstance(grad, SparseGradient):
                     opt.apply_sparse(o.value, grad.indices, grad.values, o.slots, o.t + 1)
-                    v = _Pending(ids=ids[name], rows=[grad.indices])
+                    pending[name] = _Pending(ids=ids[name], rows=[grad.indices])
                 else:
                     opt.apply_dense(o.value, grad, o.slots, o.t + 1)
-                    v = _Pending(ids=ids[name], dense=True)
-                await self._commit(o, v, updates=1)
-                g.touched.discard(name)
+                    pending[name] = _Pending(ids=ids[name], dense=True)
+            names = list(pending)
+            results = await asyncio.gather(
+                *(self._commit(self.owned[n], pending[n], updates=1) for n in names),
+                return_exceptions=True,
+            )
+            for name, r in zip(names, results):
+                if r is None:
+                    g.touched.discard(name)
+            for r in results:
+                if r is not None:
+                    raise r
             if self.shard == control.GLOBAL_STEP_SHARD:
                 await self._advance_global_step([f"sync.{self.sync_step + 1}"])
         except BaseException:
