@@ -27,6 +27,7 @@ from qps.cli import (
 from qps.cli.checkpoint import checkpoint
 from qps.cli.container import container
 from qps.cli.demo import demo
+from qps.cli.feed import feed_command
 from qps.cli.job import job
 from qps.cli.ps import ps
 from qps.cli.queue import queue
@@ -91,6 +92,7 @@ cli.add_command(job)
 cli.add_command(top)
 cli.add_command(checkpoint)
 cli.add_command(demo)
+cli.add_command(feed_command)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
