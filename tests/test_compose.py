@@ -1,0 +1,110 @@
+"""compose/: the files are checked here, since no Docker engine runs on our machines
+(see compose/README.md): the YAML parses, Redis keeps its data (AOF, noeviction) and
+has a healthcheck, every qps service runs a real `qps` command whose options parse,
+the worker count adds up, and the images install exactly the package of pyproject.toml."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from qps.cli.main import cli  # noqa: E402
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # a dependency on Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose"
+
+
+def _defaults(text: str) -> str:
+    """Compose's ${VAR:-default} interpolation, with every variable unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(_defaults((COMPOSE / "docker-compose.yml").read_text()))
+
+
+def _rest(ctx: click.Context) -> list[str]:
+    """The arguments a group left for its subcommand (click 8: protected_args + args)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return [*ctx.protected_args, *ctx.args]
+
+
+def _parse(args: list[str]) -> click.Context:
+    """Parse a `qps ...` command line as the CLI would, without running it."""
+    assert args[0] == "qps", args
+    group: click.Command = cli
+    ctx = group.make_context("qps", args[1:])
+    rest = _rest(ctx)
+    while isinstance(group, click.Group) and rest:
+        name, cmd, rest = group.resolve_command(ctx, rest)
+        assert cmd is not None and name is not None
+        ctx = cmd.make_context(name, rest, parent=ctx)
+        group, rest = cmd, _rest(ctx)
+    assert rest == [], f"unparsed arguments {rest} in {args}"
+    return ctx
+
+
+def test_redis_keeps_its_data_and_reports_health(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    cmd = " ".join(redis["command"])
+    assert "--appendonly yes" in cmd and "--maxmemory-policy noeviction" in cmd
+    assert redis["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+
+
+def test_every_qps_service_runs_a_real_command(compose: dict[str, Any]) -> None:
+    roles = {}
+    for name, svc in compose["services"].items():
+        if name == "redis":
+            continue
+        assert svc["image"] == "qps:cpu" and svc["build"]["dockerfile"] == "compose/Dockerfile"
+        assert svc["environment"]["QPS_REDIS_URL"].startswith("redis://redis:")
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        ctx = _parse([str(a) for a in svc["command"]])
+        roles[name] = ctx
+        health = svc.get("healthcheck", {}).get("test")
+        if health:
+            assert health[0] == "CMD"
+            _parse([str(a) for a in health[1:]])
+    assert {"ps0", "ps1", "feeder", "chief", "worker"} <= set(roles)
+    assert roles["chief"].params["index"] == 0
+    assert roles["worker"].params["index"] == -1  # --index auto
+    shards = {roles[f"ps{i}"].params["shard"] for i in range(2)}
+    assert shards == {0, 1} and roles["ps0"].params["num_shards"] == 2
+    workers = compose["services"]["worker"]["deploy"]["replicas"]
+    assert roles["chief"].params["num_workers"] == 1 + workers
+    assert roles["worker"].params["num_workers"] == 1 + workers
+    # the workers read what the feeder writes, once it exists
+    queue = roles["feeder"].params["queue"]
+    assert roles["chief"].params["data"] == f"queue:{queue}"
+    for name in ("chief", "worker"):
+        assert compose["services"][name]["depends_on"]["feeder"]["condition"] == "service_healthy"
+
+
+def test_images_install_the_package_of_pyproject() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    low = tuple(int(x) for x in re.findall(r"\d+", meta["requires-python"])[:2])
+    cpu = (COMPOSE / "Dockerfile").read_text()
+    gpu = (COMPOSE / "Dockerfile.gpu").read_text()
+    py = re.search(r"^FROM python:(\d+)\.(\d+)", cpu, re.M)
+    assert py is not None and (int(py[1]), int(py[2])) >= low
+    for text in (cpu, gpu):
+        assert "COPY pyproject.toml" in text and "COPY qps ./qps" in text
+        assert "COPY workers ./workers" in text
+    assert re.search(r"RUN pip install \. ", cpu)
+    assert 'pip install ".[gpu]"' in gpu and "gpu" in meta["optional-dependencies"]
+    assert any(d.startswith("cupy-cuda12x") for d in meta["optional-dependencies"]["gpu"])
