@@ -108,3 +108,55 @@ def test_images_install_the_package_of_pyproject() -> None:
     assert re.search(r"RUN pip install \. ", cpu)
     assert 'pip install ".[gpu]"' in gpu and "gpu" in meta["optional-dependencies"]
     assert any(d.startswith("cupy-cuda12x") for d in meta["optional-dependencies"]["gpu"])
+
+
+def test_the_compose_job_runs_to_its_end_as_processes(redis_url: str) -> None:
+    """No Docker engine here: run every qps service of the compose file as a process
+    with the compose environment (the Redis URL pointed at a test server, a few epochs)
+    and check that the job ends with every role exiting 0, the feeder's healthcheck
+    gating the workers as in compose."""
+    import os
+    import secrets
+    import subprocess
+    import time
+
+    text = (COMPOSE / "docker-compose.yml").read_text().replace("${QPS_EPOCHS:-60}", "3")
+    spec = yaml.safe_load(_defaults(text))
+    services = spec["services"]
+    env = {
+        **os.environ,
+        **{k: str(v) for k, v in services["chief"]["environment"].items()},
+        "QPS_REDIS_URL": redis_url,
+        "QPS_CONTAINER": f"compose-{secrets.token_hex(3)}",
+        "PYTHONPATH": str(ROOT),
+    }
+
+    def start(name: str, **extra: str) -> subprocess.Popen[bytes]:
+        cmd = [str(a) for a in services[name]["command"]]
+        return subprocess.Popen(
+            [sys.executable, "-m", "qps.cli.main", *cmd[1:]],
+            env={**env, **extra},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    procs = {name: start(name) for name in ("ps0", "ps1", "feeder")}
+    try:
+        health = [str(a) for a in services["feeder"]["healthcheck"]["test"][1:]]
+        end = time.monotonic() + 60
+        while subprocess.run(  # compose's depends_on: service_healthy
+            [sys.executable, "-m", "qps.cli.main", *health[1:]], env=env, capture_output=True
+        ).returncode:
+            assert time.monotonic() < end, "the feeder never became healthy"
+            time.sleep(0.2)
+        procs["chief"] = start("chief")
+        for k in range(services["worker"]["deploy"]["replicas"]):
+            procs[f"worker.{k}"] = start("worker")
+        for name, p in procs.items():
+            _, err = p.communicate(timeout=240)
+            assert p.returncode == 0, f"{name}: {err.decode()[-2000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()

@@ -71,6 +71,14 @@ log = logging.getLogger("qps.worker")
 INLINE_PARAMS = 200_000
 
 
+def claimant() -> str:
+    """Who claims a worker index with ``--index auto``: ``<host>:<pid>``, ``$HOSTNAME``
+    first (a container's id in Docker, where the worker is pid 1: a restarted replica
+    claims the same name, so it gets its index back; two workers on one machine differ
+    by pid)."""
+    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}:{os.getpid()}"
+
+
 def latest_checkpoint(directory: str | None) -> Path | None:
     """The newest checkpoint under ``directory`` (None: no directory, none yet)."""
     if not directory or not os.path.isdir(directory):
@@ -492,7 +500,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> Wo
     if cfg.index < 0:
         async with await qps.connect(cfg.url) as client:
             cfg.index = await job.claim_index(
-                client, cfg.container, socket.gethostname(), cfg.num_workers
+                client, cfg.container, claimant(), cfg.num_workers
             )
         log.info("%s: claimed index %d of %d", cfg.name, cfg.index, cfg.num_workers)
     async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
