@@ -106,7 +106,8 @@ async def claim_index(client: Client, container: str, who: str, num_workers: int
     """A worker index in ``1 .. num_workers - 1`` for a worker started without one
     (``qps worker --index auto``: replicas of one compose service). ``who`` names the
     claimant (``<host>:<pid>``, see :func:`workers.worker.claimant`): the same name gets
-    the same index again, so a restarted replica resumes its place. Index 0, the chief, is never handed out.
+    the same index again, so a restarted replica resumes its place. Index 0, the chief,
+    is never handed out.
 
     Raises:
         FailedPreconditionError: every index is taken.

@@ -3,11 +3,14 @@
 -- element per entry) or as a batch entry 'QB|...' at the head with at least n rows. It
 -- does what the full script does in that case: take n, keep them as the delivery record
 -- a:<id>:h, count them, and give out-of-line chunks of delivered large elements their TTL.
+-- An empty one (and a dequeue that may wait): register the attempt, as the full script
+-- does then (nothing to serve, nothing pending to flush).
 do
   local P = string.sub(KEYS[1], 1, -5)
   -- A: lease, id, n, mode, nowait, previous delivery record, acked (only 0 here), and
   -- wake (optional: 1 if the caller's wait follows in its pipeline; see dequeue.lua)
-  local id, n, prev, wake = string.match(ARGV[1], '^%S+ (%S+) (%d+) %a+ [01] (%S+) 0 ?([01]?)$')
+  local ms, id, n, mode, nowait, prev, wake =
+    string.match(ARGV[1], '^(%S+) (%S+) (%d+) (%a+) ([01]) (%S+) 0 ?([01]?)$')
   local function woken(reply)
     if wake == '1' then
       redis.call('RPUSH', P .. 'a:' .. id .. ':w', 1)
@@ -26,7 +29,8 @@ do
       and n >= 1 and n <= 500 and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
     local x = tonumber(M[4]) or 0
-    if x == 0 and redis.call('LLEN', items) >= n then
+    local len = redis.call('LLEN', items)
+    if x == 0 and len >= n then
       local vals = redis.call('LPOP', items, n)
       redis.call('RPUSH', hk, unpack(vals))
       redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
@@ -78,6 +82,14 @@ do
         redis.call('HINCRBY', KEYS[1], 'deq', n)
         return woken({'ok', {v}})
       end
+    elseif x == 0 and len == 0 and nowait == '0' then  -- wait (lease_add, as the full script)
+      local e = 'd|' .. n .. '|' .. mode .. '|' .. id
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      redis.call('RPUSH', P .. 'dw', e)
+      redis.call('ZADD', P .. 'lease', now + tonumber(ms), e)
+      redis.call('HINCRBY', KEYS[1], 'w', 1)
+      return {'wait'}
     end
   end
 end

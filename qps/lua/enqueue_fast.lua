@@ -5,8 +5,47 @@
 -- for every element, none of them a reference to a large element's chunks (one batch
 -- entry 'QB|...' alone is fine: its buffer's keys are persisted here). Anything else,
 -- or a tombstone of this attempt, falls through to the full script.
+-- A second case: one element for the one attempt pending (w == 1), a dequeue of one
+-- element waiting on an empty queue with its lease valid: hand the element to it as the
+-- full script's flush would (its delivery record, the 'r|' lease, its outcome and wake
+-- token).
+local M = redis.call('HMGET', KEYS[1], 'kind', 'cap', 'closed', 'w', 'x')
 do
-  local M = redis.call('HMGET', KEYS[1], 'kind', 'cap', 'closed', 'w', 'x')
+  local P = string.sub(KEYS[1], 1, -5)
+  local ms, id = string.match(ARGV[1], '^(%S+) (%S+) 0$')  -- A: lease, id, nowait
+  if M[4] == '1' and id and #ARGV == 2 and (M[1] == 'fifo' or M[1] == 'padding')
+      and M[3] == '0' and (tonumber(M[5]) or 0) == 0 and tonumber(M[2]) ~= 0 then
+    local v = ARGV[2]
+    local b1, b2, b3 = string.byte(v, 1, 3)
+    local ref = b1 == 81 and (b2 == 82 or b2 == 83 or b2 == 66) and b3 == 124
+    local dw = P .. 'dw'
+    if not ref and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', dw) == 1
+        and redis.call('LLEN', P .. 'items') == 0
+        and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
+      local e = redis.call('LINDEX', dw, 0)
+      local mode, did = string.match(e, '^d|1|(%a+)|(.+)$')
+      local lease = P .. 'lease'
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      if mode and string.sub(mode, -1) ~= 'A'
+          and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
+          and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now then
+        local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
+        redis.call('RPUSH', hk, v)
+        redis.call('LPOP', dw)
+        redis.call('ZREM', lease, e)
+        redis.call('ZADD', lease, now + tonumber(ms), 'r|' .. did)
+        redis.call('SET', P .. 'a:' .. did .. ':s', 'ok', 'PX', 60000)  -- RECORD_MS
+        redis.call('RPUSH', wk, 1)
+        redis.call('PEXPIRE', wk, 60000)
+        redis.call('HINCRBY', KEYS[1], 'enq', 1)
+        redis.call('HINCRBY', KEYS[1], 'deq', 1)
+        return {'ok'}
+      end
+    end
+  end
+end
+do
   local n = #ARGV - 1
   if (M[1] == 'fifo' or M[1] == 'padding') and M[3] == '0' and M[4] == '0'
       and n >= 1 and n <= 500 then

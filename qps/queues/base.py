@@ -482,7 +482,7 @@ class QueueBase:
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
         waiters = None  # set up only when the attempt has to wait
-        done = asyncio.Event()
+        done: asyncio.Event | None = None  # made when the attempt registers as blocked
         # A dequeue after one that had to wait will probably wait too (a consumer that
         # outpaces its producers): send it with its first wait, in one round trip; the
         # script wakes the wait itself if it does not leave the attempt waiting.
@@ -497,6 +497,7 @@ class QueueBase:
             triple = None
             if pipelined:
                 waiters = waiters_of(client)
+                done = done or asyncio.Event()
                 waiters.blocked[aid] = (self._skeys, entry, done)
                 triple = await client.script_then_wait(
                     script,
@@ -555,6 +556,7 @@ class QueueBase:
                     block = min(BLOCK_SECONDS, remaining)
                 if waiters is None:
                     waiters = waiters_of(client)
+                done = done or asyncio.Event()
                 waiters.blocked[aid] = (self._skeys, entry, done)
                 collect = [f"{LEASE_MS} {entry} {aid} {self._forget or '-'}"]
                 if after:
@@ -584,7 +586,8 @@ class QueueBase:
         finally:
             if waiters is not None:
                 waiters.blocked.pop(aid, None)
-                done.set()
+                if done is not None:
+                    done.set()
         status = reply[0]
         if status in (b"cancelled", b"aborted"):
             verb = "Dequeue" if what == "dequeue" else "Enqueue"
