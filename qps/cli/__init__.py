@@ -219,6 +219,17 @@ def container_option(f: F) -> F:
     )(f)
 
 
+def yes_option(f: F) -> F:
+    """``-y/--yes``: do not ask for confirmation (required when stdin is not a terminal)."""
+    return click.option(
+        "--yes",
+        "-y",
+        is_flag=True,
+        default=False,
+        help="Do not ask for confirmation (required when stdin is not a terminal).",
+    )(f)
+
+
 def json_option(f: F) -> F:
     """``--json``: machine-readable output."""
     return click.option(

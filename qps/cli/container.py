@@ -21,6 +21,7 @@ from qps.cli import (
     json_option,
     run_async,
     url_option,
+    yes_option,
 )
 from qps.cli import (
     echo_json as _echo_json,
@@ -255,13 +256,7 @@ async def _reset(
 
 @container.command(name="reset")
 @click.argument("names", metavar="NAME...", nargs=-1, required=True, callback=_check_names)
-@click.option(
-    "--yes",
-    "-y",
-    is_flag=True,
-    default=False,
-    help="Do not ask for confirmation (required when stdin is not a terminal).",
-)
+@yes_option
 @click.option(
     "--missing-ok",
     is_flag=True,

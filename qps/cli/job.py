@@ -29,6 +29,7 @@ from qps.cli import (
     run_async,
     table,
     url_option,
+    yes_option,
 )
 from qps.errors import NotFoundError
 from qps.ps import control
@@ -224,13 +225,7 @@ async def _stop_main(
 @job.command(name="stop")
 @url_option()
 @container_option
-@click.option(
-    "--yes",
-    "-y",
-    is_flag=True,
-    default=False,
-    help="Do not ask for confirmation (required when stdin is not a terminal).",
-)
+@yes_option
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0),

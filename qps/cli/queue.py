@@ -26,6 +26,7 @@ from qps.cli import (
     json_option,
     run_async,
     url_option,
+    yes_option,
 )
 from qps.cli import (
     echo_json as _echo_json,
@@ -386,13 +387,7 @@ async def _close(
         "Without it the close waits behind them, as in TensorFlow."
     ),
 )
-@click.option(
-    "--yes",
-    "-y",
-    is_flag=True,
-    default=False,
-    help="Do not ask for confirmation (required when stdin is not a terminal).",
-)
+@yes_option
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0),
