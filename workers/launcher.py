@@ -62,6 +62,10 @@ class TrainConfig:
     #: synchronous training: updates average this many workers' gradients (TF's
     #: replicas_to_aggregate; the rest of num_workers are backups); None: asynchronous
     sync_replicas: int | None = None
+    #: messages a shard takes ahead and applies in one group (``qps ps --max-group``):
+    #: bigger groups apply faster, but every message read ahead is one more update a
+    #: gradient can be stale by
+    max_group: int = 8
     seed: int = 1
     url: str | None = None
     container: str | None = None
@@ -90,7 +94,7 @@ class TrainConfig:
         return [
             "ps", "--shard", str(index), "--num-shards", str(self.num_shards),
             "--optimizer", self.optimizer, "--lr", str(self.learning_rate),
-            "--url", url, "--container", container,
+            "--max-group", str(self.max_group), "--url", url, "--container", container,
         ]  # fmt: skip
 
 

@@ -38,6 +38,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
+    "max_group",
     "checkpoint_dir", "checkpoint_every", "log_every",
 }  # fmt: skip
 
@@ -109,6 +110,13 @@ def _load_config(path: str) -> dict[str, Any]:
     type=click.IntRange(min=0),
     default=None,
     help="ssp: how many steps a worker may run ahead of the slowest one [2].",
+)
+@click.option(
+    "--max-group",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Messages a shard reads ahead and applies as one group [8]. Larger groups apply "
+    "faster; each message read ahead is one more update a gradient can be stale by.",
 )
 @click.option("--model", default=None, help="NAME:OPTIONS (see `qps worker --help`).")
 @click.option("--data", default=None, help="digits, a .npz file, or queue:NAME.")
