@@ -122,14 +122,37 @@ class _EchoHandler(logging.Handler):
             self.handleError(record)
 
 
-def configure_logging(level: str) -> None:
-    """Send the ``qps`` loggers' records at ``level`` and above to stderr."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (Unix seconds), ``level``, ``logger``,
+    ``message``, ``pid``, and ``exc`` with a traceback if there is one. Secrets are
+    scrubbed from the message like every other output (URLs redacted)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "time": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": scrub(record.getMessage()),
+            "pid": record.process,
+        }
+        if record.exc_info:
+            data["exc"] = scrub(self.formatException(record.exc_info))
+        return json.dumps(data)
+
+
+def configure_logging(level: str, as_json: bool = False) -> None:
+    """Send the ``qps`` loggers' records at ``level`` and above to stderr, as text
+    (``qps: LEVEL: logger: message``) or as JSON lines (:class:`JsonFormatter`)."""
     logger = logging.getLogger("qps")
     logger.setLevel(getattr(logging, level.upper()))
-    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+    handler = next((h for h in logger.handlers if isinstance(h, _EchoHandler)), None)
+    if handler is None:
         handler = _EchoHandler()
-        handler.setFormatter(logging.Formatter("qps: %(levelname)s: %(name)s: %(message)s"))
         logger.addHandler(handler)
+    if as_json:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("qps: %(levelname)s: %(name)s: %(message)s"))
 
 
 def debug_enabled() -> bool:

@@ -54,7 +54,15 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
     show_envvar=True,
     help="Log messages at this level and above go to stderr; DEBUG also shows tracebacks.",
 )
-def cli(log_level: str) -> None:
+@click.option(
+    "--log-json",
+    is_flag=True,
+    default=False,
+    envvar="QPS_LOG_JSON",
+    show_envvar=True,
+    help="Log one JSON object per line (time, level, logger, message, pid) instead of text.",
+)
+def cli(log_level: str, log_json: bool) -> None:
     """qps: a parameter-server runtime on Redis and asyncio, with TensorFlow 1.x queues.
 
     Run `qps train` to train a model with PS shards and workers on this machine (the
@@ -79,7 +87,7 @@ def cli(log_level: str) -> None:
       4  timeout (--timeout ran out)
       5  unavailable (Redis cannot be reached, or no server can be started)
     """
-    configure_logging(log_level)
+    configure_logging(log_level, log_json)
 
 
 cli.add_command(queue)
