@@ -405,6 +405,7 @@ class Shard:
         self.sync_step = 0  # aggregated updates this shard has committed
         self.dropped = 0  # stale gradients dropped (synchronous training)
         self._acc = _Accum()
+        self._sync_shards: int | None = None  # shards that hold variables (tokens)
 
     # -- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -977,6 +978,7 @@ class Shard:
         while inbox.items:
             batch.append(inbox.take())
         acc = self._acc
+        valid: list[tuple[_Item, GradientMessage]] = []
         for item in batch:
             m = item.msg
             if m is None:
@@ -991,8 +993,10 @@ class Shard:
             if bad is not None:
                 await self._reject(q, _Group(), item, f"gradient of '{bad}' holds NaN or Inf", bad)
                 continue
-            flags, _ = await self._applied_flags([m])
-            if m.grads and all(flags[0].values()):
+            valid.append((item, m))
+        flags, _ = await self._applied_flags([m for _, m in valid])  # one round trip
+        for (item, m), done in zip(valid, flags):
+            if m.grads and all(done.values()):
                 await self._settle(q, [item.delivery] if item.delivery else [], ack=True)
                 self.skipped += 1
                 continue
@@ -1061,8 +1065,10 @@ class Shard:
             pipe.incr(key)
             pipe.pexpire(key, 3_600_000)
             done, _ = await pipe.execute()
-        placed = await control.read_placement(self.client, self.container)
-        needed = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
+        if self._sync_shards is None:  # placed once, at the first push of the job
+            placed = await control.read_placement(self.client, self.container)
+            self._sync_shards = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
+        needed = self._sync_shards
         if int(done) == needed:
             await asyncio.gather(
                 *(
