@@ -155,6 +155,17 @@ def configure_logging(level: str, as_json: bool = False) -> None:
         handler.setFormatter(logging.Formatter("qps: %(levelname)s: %(name)s: %(message)s"))
 
 
+def role_logs(ctx: click.Context, logger: str) -> None:
+    """A long-running role says what it does: its logger logs at INFO unless the user
+    chose a level with ``qps --log-level``."""
+    parent = ctx.parent
+    if parent is not None and parent.get_parameter_source("log_level") in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    ):
+        logging.getLogger(logger).setLevel(logging.INFO)
+
+
 def debug_enabled() -> bool:
     """True when ``--log-level DEBUG`` is in effect (errors then show a traceback)."""
     return logging.getLogger("qps").isEnabledFor(logging.DEBUG)

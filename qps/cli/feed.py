@@ -8,7 +8,6 @@ when done and on SIGTERM or Ctrl-C (after stopping cleanly).
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 
 import click
@@ -20,6 +19,7 @@ from qps.cli import (
     container_option,
     echo_json,
     json_option,
+    role_logs,
     run_async,
     url_option,
 )
@@ -173,12 +173,7 @@ def feed_command(
     (open unless --close-on-term) and exits 0. Options also come from QPS_FEED_<OPTION>
     variables (QPS_FEED_EPOCHS=3).
     """
-    parent = ctx.parent
-    if parent is not None and parent.get_parameter_source("log_level") in (
-        click.core.ParameterSource.DEFAULT,
-        None,
-    ):
-        logging.getLogger("qps.feed").setLevel(logging.INFO)  # a role says what it does
+    role_logs(ctx, "qps.feed")
     options = FeedOptions(
         queue=queue,
         epochs=epochs,

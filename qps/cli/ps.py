@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json as jsonlib
-import logging
 import signal
 import sys
 import time
@@ -27,6 +26,7 @@ from qps.cli import (
     connected,
     container_option,
     json_option,
+    role_logs,
     run_async,
     url_option,
 )
@@ -186,12 +186,7 @@ def ps(
         raise CliError("give --shard I and --num-shards N (or a subcommand)", EXIT_USAGE)
     if shard >= num_shards:
         raise CliError(f"--shard {shard} is not below --num-shards {num_shards}", EXIT_USAGE)
-    parent = ctx.parent
-    if parent is not None and parent.get_parameter_source("log_level") in (
-        click.core.ParameterSource.DEFAULT,
-        None,
-    ):
-        logging.getLogger("qps.ps").setLevel(logging.INFO)  # a server says what it does
+    role_logs(ctx, "qps.ps")
     options = ShardOptions(
         shard=shard,
         num_shards=num_shards,

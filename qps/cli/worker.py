@@ -5,12 +5,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json as jsonlib
-import logging
 import signal
 
 import click
 
-from qps.cli import EXIT_USAGE, CliError, container_option, json_option, run_async, url_option
+from qps.cli import (
+    EXIT_USAGE,
+    CliError,
+    container_option,
+    json_option,
+    role_logs,
+    run_async,
+    url_option,
+)
 
 MODEL_HELP = (
     "The model, NAME:OPTIONS: softmax:IN,CLASSES; mlp:IN,HIDDEN...,CLASSES; "
@@ -24,15 +31,6 @@ DATA_HELP = (
     "file with arrays x and y; or queue:NAME (a shared input queue filled by `qps feed`; "
     "the worker stops when it is closed and empty)."
 )
-
-
-def _info_logs(ctx: click.Context) -> None:
-    parent = ctx.parent
-    if parent is not None and parent.get_parameter_source("log_level") in (
-        click.core.ParameterSource.DEFAULT,
-        None,
-    ):
-        logging.getLogger("qps.worker").setLevel(logging.INFO)  # a role says what it does
 
 
 def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
@@ -144,7 +142,7 @@ def worker(ctx: click.Context, /, json: bool, **opts: object) -> None:
     """
     from workers.worker import WorkerConfig, run_worker
 
-    _info_logs(ctx)
+    role_logs(ctx, "qps.worker")
     steps = opts.pop("steps")
     cfg = WorkerConfig(steps=None if steps == 0 else steps, **opts)  # type: ignore[arg-type]
     try:
