@@ -902,15 +902,9 @@ class Shard:
         """Commit every variable the group changed (value, slots, ``t`` and all its
         message ids in one script each, the variables concurrently: each commit is atomic
         on its own), then advance the global step."""
-        names = list(g.vars)
-        results = await asyncio.gather(
-            *(self._commit(self.owned[n], g.vars[n]) for n in names), return_exceptions=True
-        )
         failure: BaseException | None = None
-        for name, r in zip(names, results):
-            if r is None:
-                g.touched.discard(name)
-            elif isinstance(r, AlreadyAppliedError):
+        for name, r in await self._commit_all(g.vars, g.touched):
+            if isinstance(r, AlreadyAppliedError):
                 # cannot happen with one writer; our copy was changed: reload it, and
                 # have the group delivered again (what this variable lacks is applied then)
                 self.log.warning("'%s' had applied a message of the group: reloading it", name)
@@ -924,6 +918,29 @@ class Shard:
             raise failure
         if g.gs_ids:
             await self._advance_global_step(g.gs_ids)
+
+    async def _commit_all(
+        self, pending: dict[str, _Pending], touched: set[str], updates: int | None = None
+    ) -> list[tuple[str, BaseException]]:
+        """Commit the variables of ``pending`` concurrently (each commit is atomic on
+        its own); those committed leave ``touched``. Returns the failures."""
+        names = list(pending)
+        results = await asyncio.gather(
+            *(
+                self._commit(self.owned[n], pending[n])
+                if updates is None
+                else self._commit(self.owned[n], pending[n], updates)
+                for n in names
+            ),
+            return_exceptions=True,
+        )
+        failed = []
+        for name, r in zip(names, results):
+            if r is None:
+                touched.discard(name)
+            else:
+                failed.append((name, r))
+        return failed
 
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
         """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it
@@ -1033,17 +1050,8 @@ class Shard:
                 else:
                     opt.apply_dense(o.value, grad, o.slots, o.t + 1)
                     pending[name] = _Pending(ids=ids[name], dense=True)
-            names = list(pending)
-            results = await asyncio.gather(
-                *(self._commit(self.owned[n], pending[n], updates=1) for n in names),
-                return_exceptions=True,
-            )
-            for name, r in zip(names, results):
-                if r is None:
-                    g.touched.discard(name)
-            for r in results:
-                if r is not None:
-                    raise r
+            for _, failure in await self._commit_all(pending, g.touched, updates=1):
+                raise failure
             if self.shard == control.GLOBAL_STEP_SHARD:
                 await self._advance_global_step([f"sync.{self.sync_step + 1}"])
         except BaseException:
