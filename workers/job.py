@@ -48,6 +48,19 @@ def _key(container: str, what: str) -> str:
     return keys.container_prefix(keys.check_container(container)) + "job:" + what
 
 
+async def _block(client: Client, wake: str, deadline: float | None) -> bool:
+    """Wait for a token on list ``wake``, at most WAKE_SECONDS and not past ``deadline``
+    (``time.monotonic()``); False, without waiting, once the deadline has passed."""
+    block = WAKE_SECONDS
+    if deadline is not None:
+        block = min(block, deadline - time.monotonic())
+        if block <= 0:
+            return False
+    with map_errors():
+        await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+    return True
+
+
 # -- the model is ready ---------------------------------------------------------------
 
 
@@ -86,16 +99,11 @@ async def wait_ready(
     deadline = None if timeout is None else time.monotonic() + timeout
     wake = _key(container, f"ready:wake:{index}")
     while (info := await is_ready(client, container)) is None:
-        block = WAKE_SECONDS
-        if deadline is not None:
-            block = min(block, deadline - time.monotonic())
-            if block <= 0:
-                raise DeadlineExceededError(
-                    f"the chief did not mark the model of container '{container}' ready "
-                    f"within {timeout} s"
-                )
-        with map_errors():
-            await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+        if not await _block(client, wake, deadline):
+            raise DeadlineExceededError(
+                f"the chief did not mark the model of container '{container}' ready "
+                f"within {timeout} s"
+            )
     return info
 
 
@@ -201,16 +209,11 @@ async def wait_workers_done(
         running = [n for n in names if n not in finished and statuses[n].get("state") != "done"]
         if not running:
             return names
-        block = WAKE_SECONDS
-        if deadline is not None:
-            block = min(block, deadline - time.monotonic())
-            if block <= 0:
-                raise DeadlineExceededError(
-                    f"worker(s) {', '.join(running)} of container '{container}' not done "
-                    f"within {timeout} s"
-                )
-        with map_errors():
-            await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+        if not await _block(client, wake, deadline):
+            raise DeadlineExceededError(
+                f"worker(s) {', '.join(running)} of container '{container}' not done "
+                f"within {timeout} s"
+            )
 
 
 # -- stopping the job -------------------------------------------------------------------
@@ -291,5 +294,4 @@ async def ssp_wait(
         others = [w for w in workers if w not in finished and w != worker]
         if not others or step - await ssp_min_step(client, container, others) <= max_staleness:
             return int((time.monotonic() - start) * 1000)
-        with map_errors():
-            await client.blocking.blpop([wake], timeout=WAKE_SECONDS)
+        await _block(client, wake, None)
