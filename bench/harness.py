@@ -88,6 +88,9 @@ async def _wait_go(timeout: float) -> float:
     return time.monotonic()
 
 
+_CPU = "cpu"
+
+
 def participant_main(
     parser: argparse.ArgumentParser,
     body: Callable[[argparse.Namespace, Barrier], Awaitable[dict[str, Any]]],
@@ -99,10 +102,16 @@ def participant_main(
     args = parser.parse_args()
     signal.alarm(max(1, int(args.limit)))  # default action of SIGALRM: terminate
 
+    cpu0: list[float] = []
+
     async def barrier() -> float:
-        return await _wait_go(SETUP_TIMEOUT + args.limit)
+        start = await _wait_go(SETUP_TIMEOUT + args.limit)
+        cpu0.append(time.process_time())
+        return start
 
     result = asyncio.run(body(args, barrier))
+    if cpu0:  # CPU time (user + system) of this process from GO to the end
+        result.setdefault("cpu", time.process_time() - cpu0[0])
     qps_module = sys.modules.get("qps")
     if qps_module is not None:
         result["qps_file"] = qps_module.__file__
@@ -604,7 +613,9 @@ async def _measure(
                 print(
                     f"  rep {rep} {m.row.key:>10} {impl:>3}: {m.row.fmt(value)} {m.row.unit}"
                     f"  (T={elapsed(results):.3f} s, wall {time.monotonic() - t0:.1f} s,"
-                    f" server CPU {server.cpu_seconds() - cpu0:.2f} s, load {load:.2f})",
+                    f" server CPU {server.cpu_seconds() - cpu0:.2f} s,"
+                    f" client CPU {'+'.join(f'{r.get(_CPU, 0):.2f}' for r in results)} s,"
+                    f" load {load:.2f})",
                     flush=True,
                 )
                 if args.server_stats:

@@ -194,6 +194,7 @@ class Client:
         self._lean_lock = asyncio.Lock()
         self._idle: list[resp.Connection] = []  # waiters' connections, free
         self._busy: set[resp.Connection] = set()  # waiters' connections, in a BLPOP
+        self._bulk: list[resp.BulkReader] = []  # large reads' connections, free
 
     # -- identity -------------------------------------------------------------
     def new_id(self) -> str:
@@ -295,6 +296,47 @@ class Client:
             conn.close()
             return None
         return conn
+
+    async def read_into(
+        self, keys: Sequence[str], targets: Sequence[memoryview]
+    ) -> list[int | None] | None:
+        """``GET`` each key straight into its target buffer, in one round trip, on a
+        lean connection of its own (see :class:`qps.resp.BulkReader`). Returns, per key,
+        the value's length, None (no such key) or -1 (a value whose length is not its
+        target's); None as a whole when this client has no lean connections (fakeredis,
+        or closed): read another way then.
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+            InternalError: a GET failed (e.g. the key holds no string).
+        """
+        endpoint = self._endpoint
+        if endpoint is None:
+            return None
+        free = self._bulk
+        reader = None
+        while free and reader is None:
+            candidate = free.pop()
+            if not candidate.closed:
+                reader = candidate
+        if reader is None:
+            reader = await resp.open_bulk_reader(endpoint, name=f"qps {self.client_id} bulk")
+        try:
+            result = await reader.get_into(keys, targets)
+        except resp.ReplyError as exc:
+            self._keep_bulk(reader)
+            raise translate(exc) from exc
+        except BaseException:
+            reader.close()
+            raise
+        self._keep_bulk(reader)
+        return result
+
+    def _keep_bulk(self, reader: resp.BulkReader) -> None:
+        if self._endpoint is None or reader.closed or len(self._bulk) >= 4:
+            reader.close()
+        else:
+            self._bulk.append(reader)
 
     async def run_commands(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Run plain commands in one round trip; return their replies in order.
@@ -571,6 +613,9 @@ class Client:
         UnavailableError); later calls use the redis-py pools, as before connect()."""
         self._endpoint = None
         conns = [c for c in (self._lean, *self._idle, *self._busy) if c is not None]
+        for reader in self._bulk:
+            reader.close()
+        self._bulk.clear()
         self._lean = None
         self._idle.clear()
         self._busy.clear()

@@ -475,9 +475,7 @@ async def read_many(variables: Sequence[Variable]) -> list[VariableValue]:
     out: list[VariableValue | None] = [None] * len(variables)
     small = [k for k, v in enumerate(variables) if v._opened and v.small]
     client = variables[small[0]]._client if small else None
-    if client is not None and len(small) > 1 and all(
-        variables[k]._client is client for k in small
-    ):
+    if client is not None and len(small) > 1 and all(variables[k]._client is client for k in small):
         sha = _scripts_of(client).read.sha
         try:
             replies = await client.run_commands(
