@@ -31,6 +31,7 @@ from qps.cli.feed import feed_command
 from qps.cli.job import job
 from qps.cli.ps import ps
 from qps.cli.queue import queue
+from qps.cli.server import server
 from qps.cli.top import top
 from qps.cli.train import train
 from qps.cli.var import var
@@ -71,7 +72,8 @@ def cli(log_level: str, log_json: bool) -> None:
     move real tensors between two processes through a shared queue, `qps queue ...` to
     inspect and close queues, `qps var ...` to inspect and print variables,
     `qps container ...` to list, inspect and reset resource containers, and
-    `qps checkpoint ...` to save, restore and list checkpoints of a PS job.
+    `qps checkpoint ...` to save, restore and list checkpoints of a PS job, and
+    `qps server start|stop|status` to run the embedded Redis server across commands.
 
     Every command takes --url (env QPS_REDIS_URL); without one it uses the local
     embedded server. Options can also be set through environment variables
@@ -101,6 +103,7 @@ cli.add_command(top)
 cli.add_command(checkpoint)
 cli.add_command(demo)
 cli.add_command(feed_command)
+cli.add_command(server)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
