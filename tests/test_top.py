@@ -260,6 +260,27 @@ async def test_render_shows_workers_shards_and_queues(client):
     )
 
 
+@pytest.mark.parametrize("width", [80, 200])
+async def test_render_fits_the_terminal(client, width):
+    """An 80-column terminal gets the compact tables (short bars and headers), every
+    line within 80 columns; a wide one the full headers and 20-cell bars."""
+    await build_job(client, C)
+    first = await monitor.snapshot(client, C)
+    second = await monitor.snapshot(client, C)
+    text = _text(render(second, monitor.rates(first, second), 1.0, width=width), width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert not any(line.rstrip().endswith("…") for line in lines)  # nothing cut short
+    for needle in ["worker0", "ps/0/grads", "3/8", "5/100", "DLQ"]:
+        assert needle in text, (needle, text)
+    if width == 80:
+        assert "DEQ/S" in text and "FIFO " in text and "FIFOQueue" not in text
+        assert len(lines) <= 24 - 1  # a frame of this job fits an 80x24 screen
+    else:
+        assert "DEQUEUES/S" in text and "FIFOQueue" in text and "█" * 20 not in text
+        assert any(("█" + "░" * 19) in line or "░" * 20 in line for line in lines)
+
+
 # -- the command -----------------------------------------------------------------------------
 
 

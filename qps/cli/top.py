@@ -19,6 +19,7 @@ import signal
 import time
 
 import click
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -45,6 +46,8 @@ __all__ = ["BAR_WIDTH", "PIPE_WIDTH", "bar", "render", "top"]
 BAR_WIDTH = 20
 #: the width ``--once`` draws at when stdout is not a terminal
 PIPE_WIDTH = 160
+#: below this many columns the tables are drawn compact (short bars, short headers)
+WIDE = 110
 
 
 def bar(size: int, capacity: int, width: int = BAR_WIDTH) -> Text:
@@ -98,10 +101,18 @@ def _header(snap: JobSnapshot, r: Rates | None, interval: float) -> Text:
     return t
 
 
+def _table(title: str) -> Table:
+    # no outer edges and only a rule under the header: a frame fits in 80x24
+    return Table(
+        title=title, title_justify="left", title_style="bold", expand=False,
+        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+    )  # fmt: skip
+
+
 def _workers(snap: JobSnapshot, r: Rates | None) -> RenderableType:
     if not snap.workers:
         return Text("no worker has published a status yet", style="dim")
-    t = Table(title="workers", title_justify="left", expand=False)
+    t = _table("workers")
     for name, right in [
         ("WORKER", False),
         ("STATE", False),
@@ -130,15 +141,15 @@ def _workers(snap: JobSnapshot, r: Rates | None) -> RenderableType:
     return t
 
 
-def _shards(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
+def _shards(snap: JobSnapshot, r: Rates | None, bar_width: int) -> RenderableType | None:
     if not snap.shards:
         return None
-    t = Table(title="PS shards", title_justify="left", expand=False)
+    t = _table("PS shards")
     for name, right in [
         ("SHARD", True),
         ("STATE", False),
         ("APPLIED", True),
-        ("APPLIES/S", True),
+        ("APPL/S" if bar_width < BAR_WIDTH else "APPLIES/S", True),
         ("LAG", True),
         ("QUEUE", True),
         ("", False),
@@ -157,7 +168,7 @@ def _shards(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
             fmt_rate(rate),
             _p(s.lag),
             "-" if q is None else fmt_depth(q.size, q.capacity),
-            Text("") if q is None else bar(q.size, q.capacity),
+            Text("") if q is None else bar(q.size, q.capacity, bar_width),
             _p(s.staleness_p50),
             _p(s.staleness_p99),
             Text(str(s.dead_letters), "bold red" if s.dead_letters else ""),
@@ -165,19 +176,19 @@ def _shards(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
     return t
 
 
-def _queues(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
+def _queues(snap: JobSnapshot, r: Rates | None, compact: bool) -> RenderableType | None:
     rows: list[QueueRow] = [s.queue for s in snap.shards if s.queue is not None]
     rows += snap.queues
     if not rows:
         return None
-    t = Table(title="queues", title_justify="left", expand=False)
+    t = _table("queues")
     for name, right in [
         ("QUEUE", False),
         ("TYPE", False),
         ("DEPTH", True),
         ("", False),
-        ("DEQUEUES/S", True),
-        ("WAITING", True),
+        ("DEQ/S" if compact else "DEQUEUES/S", True),
+        ("WAIT" if compact else "WAITING", True),
         ("CLOSED", False),
         ("DLQ", True),
     ]:
@@ -186,9 +197,9 @@ def _queues(snap: JobSnapshot, r: Rates | None) -> RenderableType | None:
         rate = None if r is None else r.queue_dequeues_per_s.get(q.name)
         t.add_row(
             q.name,
-            q.type,
+            q.type.removesuffix("Queue") if compact else q.type,
             fmt_depth(q.size, q.capacity),
-            bar(q.size, q.capacity),
+            bar(q.size, q.capacity, 8 if compact else BAR_WIDTH),
             fmt_rate(rate),
             f"{q.pending_enqueues}e/{q.pending_dequeues}d",
             "yes" if q.closed else "no",
@@ -203,8 +214,10 @@ def render(
     interval: float,
     container: str = "",
     error: str | None = None,
+    width: int = PIPE_WIDTH,
 ) -> RenderableType:
-    """One frame of the dashboard; ``snap`` None: ``error`` says why there is none."""
+    """One frame of the dashboard for a terminal ``width`` columns wide (narrower than
+    :data:`WIDE`: compact); ``snap`` None: ``error`` says why there is none."""
     if snap is None:
         return Text.assemble(
             ("qps top", "bold"),
@@ -216,7 +229,9 @@ def render(
     if error:
         parts.append(Text(f"last refresh failed: {error}", "bold red"))
     parts.append(_workers(snap, r))
-    for extra in (_shards(snap, r), _queues(snap, r)):
+    compact = width < WIDE
+    bar_width = 8 if compact else BAR_WIDTH
+    for extra in (_shards(snap, r, bar_width), _queues(snap, r, compact)):
         if extra is not None:
             parts.append(extra)
     return Group(*parts)
@@ -233,7 +248,8 @@ async def _once(url: str | None, container: str, interval: float) -> tuple[JobSn
 class _Dashboard:
     """The state of the live loop: the last snapshot and rates, and the last error."""
 
-    def __init__(self, client: Client, container: str, interval: float) -> None:
+    def __init__(self, client: Client, container: str, interval: float, console: Console) -> None:
+        self.console = console
         self.client = client
         self.container = container
         self.interval = interval
@@ -245,13 +261,21 @@ class _Dashboard:
             snap = await snapshot(self.client, self.container)
         except NotFoundError as exc:
             self.snap, self.rates = None, None
-            return render(None, None, self.interval, self.container, f"{exc}; waiting for one")
+            return render(
+                None, None, self.interval, self.container, f"{exc}; waiting for one", self.width
+            )
         except QpsError as exc:  # e.g. Redis restarting: keep the last frame, say why
-            return render(self.snap, self.rates, self.interval, self.container, str(exc))
+            return render(
+                self.snap, self.rates, self.interval, self.container, str(exc), self.width
+            )
         if self.snap is not None:
             self.rates = rates(self.snap, snap, self.rates)
         self.snap = snap
-        return render(snap, self.rates, self.interval, self.container)
+        return render(snap, self.rates, self.interval, self.container, width=self.width)
+
+    @property
+    def width(self) -> int:
+        return self.console.size.width  # read each frame: the terminal may be resized
 
 
 async def _live(url: str | None, container: str, interval: float) -> None:
@@ -261,8 +285,8 @@ async def _live(url: str | None, container: str, interval: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with connected(url) as client:
-            board = _Dashboard(client, container, interval)
             console = Console()
+            board = _Dashboard(client, container, interval, console)
             with Live(
                 await board.frame(), console=console, screen=True, auto_refresh=False
             ) as live:
@@ -315,6 +339,6 @@ def top(url: str | None, container: str, interval: float, once: bool, json: bool
             console = Console()
             if not console.is_terminal:  # a pipe or a file: do not squeeze the tables
                 console = Console(width=PIPE_WIDTH)
-            console.print(render(snap, r, interval))
+            console.print(render(snap, r, interval, width=console.width))
         return
     run_async(_live(url, container, interval))
