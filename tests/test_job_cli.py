@@ -293,3 +293,115 @@ def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
     (w,) = snap.workers
     assert w.state == "done" and w.step % 10 == 0  # it stopped at a status publish
     assert snap.global_step == w.step
+
+
+def _children_with(pid: int, needle: str) -> list[int]:
+    """Pids of the processes under ``pid`` (any depth) whose command line has ``needle``."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            try:
+                with open(f"/proc/{k}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if needle in cmd:
+                out.append(k)
+            todo.append(k)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_one_command_answers_on_a_real_job(redis_url: str) -> None:
+    """The operator's questions on a real `qps train` job (2 shards, 2 workers), one
+    command each: which worker is slow (worker1, SIGSTOPped: its step stands still and
+    its status ages, in `qps job status`), which shard is behind and how stale the
+    gradients are (the shard rows' lag and staleness), and what is in a queue
+    (`qps queue peek` of a gradient queue)."""
+    import signal
+
+    c = _container()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    args = ("train", "--url", redis_url, "--container", c, "--ps", "2", "--workers", "2",
+            "--steps", "1000000", "--log-every", "5", "--json")  # fmt: skip
+    train = subprocess.Popen(_qps(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    stopped: list[int] = []
+
+    def status() -> dict[str, Any]:
+        r = subprocess.run(_qps("job", "status", "--json", "--url", redis_url, "--container", c),
+                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+    def steps(d: dict[str, Any]) -> dict[str, int]:
+        return {w["name"]: w["step"] for w in d["workers"]}
+
+    try:
+
+        async def training(cl: qps.Client) -> bool:
+            try:
+                snap = await monitor.snapshot(cl, c)
+            except NotFoundError:
+                return False
+            return len(snap.workers) == 2 and all(w.step >= 10 for w in snap.workers)
+
+        end = time.monotonic() + 120
+        while not _run(redis_url, training):
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            assert time.monotonic() < end, "the job did not start training"
+            time.sleep(0.2)
+        slow = _children_with(train.pid, "worker --index 1 ")
+        assert len(slow) == 1, slow
+        os.kill(slow[0], signal.SIGSTOP)
+        stopped.append(slow[0])
+        before = status()
+        end = time.monotonic() + 60
+        while True:  # until worker0 has moved on by a few published steps
+            after = status()
+            if steps(after)["worker0"] >= steps(before)["worker0"] + 10:
+                break
+            assert time.monotonic() < end, after
+            time.sleep(0.2)
+        # which worker is slow: worker1's step stood still, its status is the oldest
+        assert steps(after)["worker1"] == steps(before)["worker1"]
+        ages = {w["name"]: w["age_s"] for w in after["workers"]}
+        assert ages["worker1"] > ages["worker0"], ages
+        text = subprocess.run(_qps("job", "status", "--url", redis_url, "--container", c),
+                              capture_output=True, text=True, env=env, timeout=60).stdout  # fmt: skip
+        assert any(line.split()[:2] == ["worker1", "training"] for line in text.splitlines())
+        # which shard is behind, how stale: every shard row has its lag and staleness
+        assert [s["shard"] for s in after["shards"]] == [0, 1]
+        for s in after["shards"]:
+            assert s["state"] == "running" and s["lag"] is not None and s["lag"] >= 0
+            assert s["applied"] > 0 and s["staleness_p99"] is not None
+            assert 0 <= s["staleness_p50"] <= s["staleness_p99"]
+        assert after["staleness_p99"] is not None
+        # what is in a queue: peek shows the gradient messages waiting (or none)
+        peek = subprocess.run(_qps("queue", "peek", "ps/0/grads", "-n", "2", "--url", redis_url,
+                                   "--container", c), capture_output=True, text=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert peek.returncode == 0, peek.stderr
+        assert "ps/0/grads" in peek.stdout and "FIFOQueue" in peek.stdout
+        os.kill(slow[0], signal.SIGCONT)
+        stopped.clear()
+        stop = subprocess.run(
+            _qps("job", "stop", "--yes", "--timeout", "60", "--url", redis_url, "--container", c),
+            capture_output=True, text=True, env=env, timeout=90,
+        )  # fmt: skip
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        out, err = train.communicate(timeout=120)
+    finally:
+        for p in stopped:
+            os.kill(p, signal.SIGCONT)
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 0, err[-3000:]
+    assert json.loads(out)["stopped"] == "finished"
