@@ -160,3 +160,67 @@ def test_the_compose_job_runs_to_its_end_as_processes(redis_url: str) -> None:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+# -- the Kubernetes equivalent (compose/k8s) ----------------------------------------------
+
+
+def _k8s() -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((COMPOSE / "k8s" / "qps-digits.yaml").read_text()))
+
+
+def _expand(args: list[Any], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of command/args from the container's env."""
+    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], str(a)) for a in args]
+
+
+def test_kubernetes_manifest_mirrors_the_compose_job(compose: dict[str, Any]) -> None:
+    docs = _k8s()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("Service", "redis"), ("StatefulSet", "redis"), ("Job", "qps-ps"),
+            ("Job", "qps-feeder"), ("Job", "qps-workers")} <= kinds  # fmt: skip
+    redis = next(d for d in docs if d["kind"] == "StatefulSet")
+    rargs = " ".join(redis["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--appendonly yes" in rargs and "--maxmemory-policy noeviction" in rargs
+    assert redis["spec"]["volumeClaimTemplates"]  # the AOF outlives the pod
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Job"}
+    roles: dict[str, list[click.Context]] = {}
+    for name, job in jobs.items():
+        spec = job["spec"]
+        pod = spec["template"]["spec"]
+        assert pod["restartPolicy"] == "OnFailure"  # a crashed role restarts; exit 0 ends it
+        (c,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["QPS_REDIS_URL"] == "redis://redis:6379/0" and env["QPS_CONTAINER"]
+        indexed = spec.get("completionMode") == "Indexed"
+        if indexed:  # the completion index is the shard or worker index
+            (idx,) = [e for e in c["env"] if e["name"] == "INDEX"]
+            path = idx["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            assert spec["completions"] == spec["parallelism"]
+        n = spec["completions"] if indexed else 1
+        roles[name] = [
+            _parse(_expand(c.get("command") or c["args"], {**env, "INDEX": str(i)}))
+            for i in range(n)
+        ]
+        for probe in ("readinessProbe", "livenessProbe"):
+            if probe in c:
+                _parse(c[probe]["exec"]["command"])
+    assert sorted(ctx.params["shard"] for ctx in roles["qps-ps"]) == [0, 1]
+    assert all(ctx.params["num_shards"] == 2 for ctx in roles["qps-ps"])
+    workers = roles["qps-workers"]
+    assert sorted(ctx.params["index"] for ctx in workers) == list(range(len(workers)))
+    assert all(ctx.params["num_workers"] == len(workers) for ctx in workers)
+    (feeder,) = roles["qps-feeder"]
+    assert all(ctx.params["data"] == f"queue:{feeder.params['queue']}" for ctx in workers)
+    # the same roles and options as the compose file
+    svc = compose["services"]
+    assert feeder.params == _parse([str(a) for a in svc["feeder"]["command"]]).params | {
+        "epochs": feeder.params["epochs"]
+    }
+    chief = _parse([str(a) for a in svc["chief"]["command"]]).params
+    for key in ("num_shards", "data", "steps"):
+        assert workers[0].params[key] == chief[key]
+    # workers wait for the feeder's queue, as the compose healthcheck makes them
+    (init,) = jobs["qps-workers"]["spec"]["template"]["spec"]["initContainers"]
+    assert f"qps queue stat {feeder.params['queue']}" in init["command"][-1]
