@@ -353,6 +353,12 @@ async def test_staleness_per_worker(job: Job) -> None:
     await s1.pull("w")
     await s1.push({"w": np.ones(1)})  # fresh again
     await _steps(s0, 3)
+
+    async def counted() -> bool:  # the stats follow the global step (after the ack)
+        per = (await control.shard_status(s0.client, C, 0)).percentiles()
+        return per.get("*", {}).get("messages") == 3
+
+    await until(counted)
     per = (await control.shard_status(s0.client, C, 0)).percentiles()
     assert per["alice"] == {"messages": 1, "p50": 0, "p99": 0}
     assert per["bob"] == {"messages": 2, "p50": 0, "p99": 1}
@@ -430,3 +436,96 @@ async def test_slots_of_another_optimizer_need_reset_slots(job: Job) -> None:
 
 async def _true(x: bool) -> bool:
     return x
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_dead_holder_only_for_a_gone_process_of_this_host_and_namespace() -> None:
+    import os
+    import socket
+
+    from qps.ps.shard import _pid_namespace, dead_holder, default_owner
+
+    host, ns = socket.gethostname(), _pid_namespace()
+    assert default_owner().startswith(f"{host}:{os.getpid()}:")
+    assert default_owner().endswith(f":{ns}")
+    gone = _dead_pid()
+    assert dead_holder(f"7 {host}:{gone}:abc:{ns}")
+    assert not dead_holder(f"7 {host}:{os.getppid()}:abc:{ns}")  # alive
+    assert not dead_holder(f"7 {host}:{os.getpid()}:abc:{ns}")  # this process
+    assert not dead_holder(f"7 other-{host}:{gone}:abc:{ns}")  # another host
+    assert not dead_holder(f"7 {host}:{gone}:abc:{ns}0")  # another pid namespace
+    assert not dead_holder(f"7 {host}:{gone}:abc:-")  # namespace unknown
+    for bad in ("", "7", f"7 {host}:{gone}:abc", f"7 {host}:x:abc:{ns}", f"7 {host}:-1:a:{ns}"):
+        assert not dead_holder(bad), bad
+
+
+async def test_a_dead_holder_of_this_host_is_taken_over_at_once(job: Job) -> None:
+    """A lease held by a process of this host that is gone (a shard SIGKILLed and
+    restarted) is taken over without waiting it out: here it has a minute left."""
+    import socket
+
+    from qps.ps.shard import _pid_namespace
+
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    await sess.variable("w", (1,), np.float64, initializer="zeros").create()
+    held = f"1 {socket.gethostname()}:{_dead_pid()}:dead00:{_pid_namespace()}"
+    lease = keys.ps_prefix(C, 0) + "lease"
+    await sess.client.commands.set(lease, held, px=60_000)
+    shard, task = await job.shard(lease_ms=5000)
+
+    async def running() -> bool:
+        return shard.loop_started is not None
+
+    await until(running, timeout=20)  # far less than the minute left on the lease
+    assert shard.takeover == held and shard.token >= 1
+    assert (await sess.client.commands.get(lease)).decode() == shard._lease_value
+    st = await control.shard_status(sess.client, C, 0)
+    assert st.fields["takeover"] == held
+    await sess.push({"w": np.ones(1)})
+    await _steps(sess, 1)
+
+    async def first_apply() -> bool:  # written after the ack, which follows the step
+        st = await control.shard_status(sess.client, C, 0)
+        return int(st.fields.get("first_ms", 0)) > 0
+
+    await until(first_apply)
+    st = await control.shard_status(sess.client, C, 0)
+    assert int(st.fields["first_ms"]) >= int(st.fields["started_ms"]) > 0
+    shard.request_stop()
+    assert await asyncio.wait_for(task, 10) == "stopped"
+
+
+async def test_a_live_holder_is_not_taken_over(
+    job: Job, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same with a live holder (a pid that exists): the new copy waits as a standby."""
+    import os
+    import socket
+
+    from qps.ps.shard import _pid_namespace
+
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    held = f"1 {socket.gethostname()}:{os.getppid()}:live00:{_pid_namespace()}"
+    lease = keys.ps_prefix(C, 0) + "lease"
+    await sess.client.commands.set(lease, held, px=60_000)
+    shard, task = await job.shard(lease_ms=5000)
+
+    caplog.set_level("INFO", logger="qps")
+
+    async def announced() -> bool:  # it has looked at the holder and gone to wait
+        return any("waiting as a standby" in r.getMessage() for r in caplog.records)
+
+    await until(announced)
+    assert shard.token == 0 and shard.takeover is None
+    assert (await sess.client.commands.get(lease)).decode() == held
+    shard.request_stop()
+    assert await asyncio.wait_for(task, 10) == "stopped"

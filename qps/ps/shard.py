@@ -113,12 +113,17 @@ class LeaseLostError(FailedPreconditionError):
     fenced its variables): it stops writing and exits."""
 
 
-# KEYS: lease, wake. ARGV: op, value, ttl (ms).
+# KEYS: lease, wake. ARGV: op, value, ttl (ms) [, the holder's value to take over from].
 _LEASE = """
 local op = ARGV[1]
 if op == 'acquire' then
   if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return {'ok'} end
   return {'held', redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
+end
+if op == 'takeover' then  -- from a holder known to be dead, if it still holds it
+  if redis.call('GET', KEYS[1]) ~= ARGV[4] then return {'moved'} end
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return {'ok'}
 end
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[2] then return {'lost', cur or ''} end
@@ -152,9 +157,42 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 """
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (``/proc/self/ns/pid``'s inode), or ``-``."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "-"
+
+
 def default_owner() -> str:
-    """``<host>:<pid>:<random>``: names one run of one shard process."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    """``<host>:<pid>:<random>:<pid namespace>``: names one run of one shard process
+    (and says where its pid means something: see :func:`dead_holder`)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{_pid_namespace()}"
+
+
+def dead_holder(value: str) -> bool:
+    """Whether the lease value ``value`` (``<token> <owner>``) names a shard process of
+    this host and PID namespace that no longer exists: its lease can be taken over at
+    once instead of waiting for it to expire. False whenever that is not certain (another
+    host or namespace, an owner of another form, a pid that is alive, even if reused)."""
+    try:
+        _, owner = value.split(" ", 1)
+        host, pid_text, _, ns = owner.rsplit(":", 3)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if host != socket.gethostname() or ns == "-" or ns != _pid_namespace() or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. EPERM: it exists
+        return False
+    return False
 
 
 @dataclass
@@ -399,6 +437,9 @@ class Shard:
         #: ``time.monotonic()`` when the apply loop started (after the lease and the
         #: variables' loading), None before.
         self.loop_started: float | None = None
+        #: the lease value of a dead holder this run took the lease over from, or None
+        self.takeover: str | None = None
+        self._applied_once = False  # stats' first_ms written (this run's first apply)
         self._inbox: _Inbox | None = None
         #: synchronous training: (replicas_to_aggregate, total_num_replicas), else None
         self.sync: tuple[int, int] | None = None
@@ -444,7 +485,14 @@ class Shard:
         reason = "stopped"
         try:
             await self._stats(
-                {"state": "running", "pid": os.getpid(), "host": socket.gethostname()},
+                {
+                    "state": "running",
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started_ms": int(time.time() * 1000),
+                    "first_ms": 0,  # set by this run's first applied group
+                    "takeover": self.takeover or "",
+                },
                 {"starts": 1},
             )
             await self._own_placed()
@@ -499,6 +547,26 @@ class Shard:
                 )
                 return True
             pttl = int(reply[1])
+            held = _text(reply[2] or b"")
+            if dead_holder(held):
+                # a crashed copy on this machine (a restart after SIGKILL): do not wait
+                # out its lease. Its token is lower than ours, so its variables are
+                # fenced against it in any case; the script checks it still holds it.
+                with map_errors():
+                    took = await self._lease_script(
+                        keys=self._lease_keys(),
+                        args=["takeover", value, self.options.lease_ms, held],
+                    )
+                if took[0] == b"ok":
+                    self.token, self._lease_value = token, value
+                    self.takeover = held
+                    self.log.info(
+                        "lease taken over from %s, a dead process of this host (%d ms of "
+                        "its lease left), with fencing token %d",
+                        held, pttl, token,
+                    )  # fmt: skip
+                    return True
+                continue
             if not announced:
                 self.log.info("shard is held by %s: waiting as a standby", _text(reply[2] or b"?"))
                 announced = True
@@ -1127,8 +1195,13 @@ class Shard:
                     pipe.zrem(key, *ids)
                 for k, n in incr.items():
                     pipe.hincrby(self._prefix + "stats", k, n)
-                pipe.hset(self._prefix + "stats", "last_ms", int(time.time() * 1000))
+                now_ms = int(time.time() * 1000)
+                marks = {"last_ms": now_ms}
+                if g.fresh and not self._applied_once:  # this run's first applied group
+                    marks["first_ms"] = now_ms
+                pipe.hset(self._prefix + "stats", mapping=cast(Any, marks))
                 await pipe.execute()
+                self._applied_once = self._applied_once or bool(g.fresh)
         except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
             self.log.warning("could not release the ids of a group: %s", exc)
         self.log.debug(
