@@ -43,7 +43,7 @@ from workers.launcher import TrainConfig, evaluate
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux namespaces"),
-    pytest.mark.slow,  # 20 s on an idle 2-core machine, 100 s on one loaded 6-fold
+    pytest.mark.slow,  # 17 to 100 s on a shared 2-core machine, by its load
     pytest.mark.timeout(300),
 ]
 
