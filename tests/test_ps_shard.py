@@ -24,6 +24,7 @@ from qps.optimizers import SGD, Adagrad, Adam, Momentum, Optimizer
 from qps.ps import control
 from qps.ps.messages import GradientMessage, SparseGradient, encode_message
 from qps.ps.shard import LeaseLostError, Shard, ShardOptions
+from qps.queues import base as queue_base
 from qps.variables import StaleTokenError
 from tests.conftest import ClientFactory, until
 
@@ -363,6 +364,32 @@ async def test_staleness_per_worker(job: Job) -> None:
     assert per["alice"] == {"messages": 1, "p50": 0, "p99": 0}
     assert per["bob"] == {"messages": 2, "p50": 0, "p99": 1}
     assert per["*"]["messages"] == 3
+
+
+async def test_a_push_undone_during_a_partition_is_sent_again(
+    job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A push waiting on a full queue whose lease runs out (its process cut off from
+    Redis, tests/test_multihost.py) is undone by Redis; the push sends the same message
+    again, and it is applied once."""
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0), queue_capacity=1)
+    await sess.variable("w", (1,), np.float64, initializer="zeros").create()
+    await sess.push({"w": np.ones(1)})  # the queue is full: no shard runs yet
+    monkeypatch.setattr(queue_base, "LEASE_MS", 1)  # every wait outlives its lease
+    push = asyncio.create_task(sess.push({"w": np.ones(1)}))
+
+    async def undone() -> bool:
+        return "sending the message again" in caplog.text
+
+    await until(undone)
+    monkeypatch.undo()
+    await job.shard()
+    ids = await push
+    await _steps(sess, 2)
+    queue = control.gradient_queue(sess.client, C, 0, 1)
+    assert await queue.size() == 0 and await sess.global_step() == 2, ids
+    assert (await sess.pull("w")).value.tolist() == [-2.0]
 
 
 async def test_two_shards_split_a_push_and_shard0_counts_steps(job: Job) -> None:

@@ -11,6 +11,7 @@ training: the shard applies it on arrival whatever its staleness).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import socket
@@ -21,7 +22,13 @@ from typing import Any
 import numpy as np
 
 from qps import keys
-from qps.errors import CancelledError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from qps.errors import (
+    AbortedError,
+    CancelledError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from qps.ps import control
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
@@ -29,6 +36,11 @@ from qps.transport import Client
 from qps.variables import Variable, VariableValue, open_variable, read_many
 
 __all__ = ["PSClient", "default_worker"]
+
+log = logging.getLogger("qps.ps")
+
+#: how often a push sends a message whose enqueue was undone (see PSClient._send)
+PUSH_TRIES = 3
 
 
 def default_worker() -> str:
@@ -231,9 +243,7 @@ class PSClient:
                 m.versions[name] = int(seen[name])
         payloads = {s: encode_message(m) for s, m in by_shard.items()}
         try:
-            await asyncio.gather(
-                *(self._queue(s).enqueue(np.frombuffer(p, np.uint8)) for s, p in payloads.items())
-            )
+            await asyncio.gather(*(self._send(s, p) for s, p in payloads.items()))
         except CancelledError as exc:
             if await control.is_finished(self.client, self.container):
                 raise CancelledError(
@@ -241,6 +251,20 @@ class PSClient:
                 ) from exc
             raise
         return {s: m.id for s, m in by_shard.items()}
+
+    async def _send(self, shard: int, payload: bytes) -> None:
+        """Enqueue one message on ``shard``'s gradient queue. A push that waited on a
+        full queue while this process could not reach Redis for longer than the queue's
+        lease (a network partition) finds its attempt taken for dead and undone: nothing
+        was enqueued, so the same message is sent again (up to :data:`PUSH_TRIES` times
+        in all)."""
+        for attempt in range(1, PUSH_TRIES + 1):
+            try:
+                return await self._queue(shard).enqueue(np.frombuffer(payload, np.uint8))
+            except AbortedError as exc:
+                if attempt == PUSH_TRIES:
+                    raise
+                log.warning("push to shard %d: %s; sending the message again", shard, exc)
 
     async def global_step(self) -> int:
         """TF's ``global_step``: worker steps applied so far (advanced by shard 0 once
