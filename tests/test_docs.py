@@ -153,13 +153,16 @@ def test_reference_shows_env_vars_and_defaults() -> None:
     assert "default `10000`" in sections["qps ps"]  # --lease-ms
 
 
-def test_auto_env_var_names_are_what_click_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_env_var_names_are_what_click_reads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The reference's QPS_<COMMAND>_<OPTION> names are the ones the CLI really reads."""
     from qps.cli.main import run
 
     monkeypatch.setenv("QPS_REDIS_URL", "redis://127.0.0.1:1/0")  # never reached
     monkeypatch.setenv("QPS_QUEUE_PEEK_N", "not-a-number")
     assert run(["queue", "peek", "somequeue"]) == 2  # click rejects the env value: usage
+    assert "not-a-number" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------ migration guide
