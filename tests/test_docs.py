@@ -114,6 +114,21 @@ def test_cli_reference_is_up_to_date() -> None:
     )
 
 
+def test_reference_is_what_the_cli_accepts_whatever_ran_before(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The reference is rendered with the commands' context settings (``-h`` as well as
+    ``--help``), not with what an earlier invocation happened to leave cached."""
+    from qps.cli.main import run
+
+    before = _docgen.render()
+    assert run(["queue", "ls", "-h"]) == 0  # -h works below the top level too
+    assert "Usage: qps queue ls" in capsys.readouterr().out
+    assert _docgen.render() == before
+    sections = _sections(before)
+    assert all("- `-h, --help`" in body for body in sections.values())
+
+
 def test_docgen_check_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "ref.md"
     assert _docgen.main(["--check", str(path)]) == 1  # missing

@@ -65,12 +65,16 @@ def walk(
             sub = command.get_command(ctx, name)
             if sub is None or sub.hidden:
                 continue
-            yield from walk(sub, click.Context(sub, info_name=name, parent=ctx))
+            yield from walk(
+                sub, click.Context(sub, info_name=name, parent=ctx, **sub.context_settings)
+            )
 
 
 def root_context(command: click.Command, name: str = "qps") -> click.Context:
-    """The context of the top-level command, as :func:`qps.cli.main.run` creates it."""
-    return click.Context(command, info_name=name, auto_envvar_prefix=ENV_PREFIX)
+    """The context of the top-level command, as :func:`qps.cli.main.run` creates it (with
+    the command's ``context_settings``: ``-h`` as well as ``--help``, for one)."""
+    settings = {"auto_envvar_prefix": ENV_PREFIX, **command.context_settings}
+    return click.Context(command, info_name=name, **settings)
 
 
 def command_paths(command: click.Command, name: str = "qps") -> list[str]:
