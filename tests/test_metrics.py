@@ -268,6 +268,40 @@ async def test_roles_serve_their_metrics_during_training(
     assert await asyncio.wait_for(shard_task, 30) == "finished"
 
 
+async def test_a_sync_shard_counts_updates_and_dropped_stale_gradients(
+    make_client: ClientFactory,
+) -> None:
+    c, m = "metricssync", metrics.Metrics()
+    a = qps.Session(client=await make_client(), container=c, worker="w0")
+    b = qps.Session(client=await make_client(), container=c, worker="w1")
+    await a.open()
+    await b.open()
+    await control.configure(a.client, c, 1, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    shard = Shard(await make_client(), ShardOptions(0, 1, container=c, lease_ms=900), m)
+    task = asyncio.create_task(shard.run())
+    labels = {"container": c, "shard": "0"}
+    try:
+        await a.push({"w": np.ones(2, np.float32)}, step=0)
+        await b.push({"w": np.ones(2, np.float32)}, step=0)
+        assert int(await control.token_queue(a.client, c, 0).dequeue(timeout=10)) == 1
+        await b.push({"w": np.ones(2, np.float32)}, step=0)  # from update 0: stale now
+
+        async def dropped() -> bool:
+            return m.registry.get_sample_value("qps_ps_dropped_stale_total", labels) == 1
+
+        await until(dropped)
+        get = m.registry.get_sample_value
+        assert get("qps_ps_applies_total", labels) == 2  # the gradients of the one update
+        assert get("qps_ps_apply_seconds_count", labels) == 1
+        assert get("qps_ps_messages_total", labels) == 3
+    finally:
+        shard.request_stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await a.close()
+        await b.close()
+
+
 # -- the commands ------------------------------------------------------------------------------
 
 
