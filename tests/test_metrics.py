@@ -368,6 +368,7 @@ def test_qps_train_serves_every_role_on_its_port() -> None:
                 break
             lines.append(line)
         text = "".join(lines)
+        assert "[worker0] " in text and "[ps0] " in text, text[-3000:]  # the roles' prefixes
         assert "worker0: step 20," in text, text[-3000:]
         urls = {"ps0": f"http://127.0.0.1:{base}/metrics",
                 "worker0": f"http://127.0.0.1:{base + 1}/metrics"}  # fmt: skip

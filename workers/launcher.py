@@ -180,8 +180,8 @@ async def _pump(role: _Role, emit: Callable[[str], None]) -> None:
 
 async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Role:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # one port per role: given in args
-        env.pop(name, None)
+    for var in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # each role's port is in its args
+        env.pop(var, None)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
