@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from qps import keys
+from qps import metrics as _metrics
 from qps.containers import Counter
 from qps.errors import (
     CancelledError,
@@ -374,12 +375,15 @@ async def feed(
     data: Dataset,
     options: FeedOptions,
     coord: Coordinator | None = None,
+    metrics: _metrics.Metrics | None = None,
 ) -> FeedResult:
     """Enqueue every example of ``data`` once per epoch into the shared queue
     ``options.queue``, then close it; see the module doc.
 
     The queue is opened if it exists (of any type whose components match the data) or
-    created as a FIFOQueue (a RandomShuffleQueue with ``min_after_dequeue``).
+    created as a FIFOQueue (a RandomShuffleQueue with ``min_after_dequeue``). Examples,
+    epochs and the queue's size go to ``metrics`` (default: the process's); the size is
+    read after each chunk only while that registry is served (one more round trip).
 
     Raises:
         InvalidArgumentError: bad options, or data that does not fit the existing queue.
@@ -393,6 +397,8 @@ async def feed(
     epochs = Counter(ep_name, container=options.container, client=client)
     await examples.get()  # creates and registers both counters
     await epochs.get()
+    registry = metrics or _metrics.default()
+    m = registry.feed(options.container, options.queue)
     result = FeedResult(
         queue=queue.name,
         container=options.container,
@@ -431,10 +437,14 @@ async def feed(
                 break
             result.examples += stop - start
             await examples.add(stop - start)
+            m.examples.inc(stop - start)
+            if registry.serving:
+                m.queue_depth.set(await queue.size())
         if coord.should_stop():
             break
         result.epochs += 1
         await epochs.add(1)
+        m.epochs.inc()
         log.info(
             "epoch %d/%d done: %d examples this epoch, %d in all",
             epoch + 1,

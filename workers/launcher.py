@@ -12,7 +12,10 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
   exit 0; the final metrics are printed (test accuracy, global step, examples/s,
   staleness p50/p99 from the shards' statistics);
 * a shard that fails, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
-  after a grace period): nothing is left running; a server started here is stopped.
+  after a grace period): nothing is left running; a server started here is stopped;
+* with ``metrics_port`` BASE, shard ``i`` serves its Prometheus metrics on BASE + i and
+  worker ``k`` on BASE + num_shards + k (:meth:`TrainConfig.metrics_ports`; BASE 0:
+  each picks a free port and logs it).
 
 Exit status: 0 when the job ran to its end, 1 when a shard failed or no worker
 finished, 130 after Ctrl-C.
@@ -72,7 +75,26 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     log_every: int = 100
+    #: serve each role's Prometheus metrics on metrics_port + k (see metrics_ports)
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
     extra_worker_args: list[str] = field(default_factory=list)
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Role name -> its metrics port: ``ps0``.. then ``worker0``.. from
+        ``metrics_port`` up (all 0 with a base of 0); empty without one."""
+        if self.metrics_port is None:
+            return {}
+        names = [f"ps{i}" for i in range(self.num_shards)]
+        names += [f"worker{k}" for k in range(self.num_workers)]
+        base = self.metrics_port
+        return {name: base + k if base else 0 for k, name in enumerate(names)}
+
+    def _metrics_args(self, role: str) -> list[str]:
+        port = self.metrics_ports().get(role)
+        if port is None:
+            return []
+        return ["--metrics-port", str(port), "--metrics-addr", self.metrics_addr]
 
     def worker_args(self, index: int, url: str, container: str) -> list[str]:
         args = [
@@ -88,13 +110,14 @@ class TrainConfig:
             args += ["--checkpoint-dir", self.checkpoint_dir]
             if self.checkpoint_every:
                 args += ["--checkpoint-every", str(self.checkpoint_every)]
-        return args + self.extra_worker_args
+        return args + self._metrics_args(f"worker{index}") + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:
         return [
             "ps", "--shard", str(index), "--num-shards", str(self.num_shards),
             "--optimizer", self.optimizer, "--lr", str(self.learning_rate),
             "--max-group", str(self.max_group), "--url", url, "--container", container,
+            *self._metrics_args(f"ps{index}"),
         ]  # fmt: skip
 
 
@@ -157,6 +180,8 @@ async def _pump(role: _Role, emit: Callable[[str], None]) -> None:
 
 async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Role:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for var in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # each role's port is in its args
+        env.pop(var, None)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -242,6 +267,17 @@ async def run_job(
                     else ""
                 )
             )
+            ports = cfg.metrics_ports()
+            if ports:
+                emit(
+                    "qps train: metrics: "
+                    + ", ".join(
+                        f"{role} {_metrics_url(cfg.metrics_addr, port)}"
+                        if port
+                        else f"{role} (a free port, see its log)"
+                        for role, port in ports.items()
+                    )
+                )
             shards = [
                 await _start(f"ps{i}", cfg.shard_args(i, url, container), emit)
                 for i in range(cfg.num_shards)
@@ -276,6 +312,10 @@ async def run_job(
         if server is not None:
             await asyncio.to_thread(server.stop)
     return result
+
+
+def _metrics_url(addr: str, port: int) -> str:
+    return f"http://{f'[{addr}]' if ':' in addr else addr}:{port}/metrics"
 
 
 async def evaluate(

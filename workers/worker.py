@@ -51,6 +51,7 @@ import numpy as np
 
 import qps
 from qps import checkpoint
+from qps import metrics as _metrics
 from qps.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -203,7 +204,9 @@ class _Input:
 class Worker:
     """One worker process's training loop (use :func:`run_worker`)."""
 
-    def __init__(self, cfg: WorkerConfig, sess: qps.Session) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, sess: qps.Session, metrics: _metrics.Metrics | None = None
+    ) -> None:
         cfg.check()
         self.cfg = cfg
         self.sess = sess
@@ -215,6 +218,7 @@ class Worker:
         self.names = [f"worker{k}" for k in range(cfg.num_workers)]
         self.stop = asyncio.Event()
         self.result = WorkerResult()
+        self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
 
     # -- set-up ------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -266,6 +270,7 @@ class Worker:
 
     # -- one step ------------------------------------------------------------------------
     async def _pull(self, batch: tuple[np.ndarray, ...]) -> tuple[dict[str, Any], dict[str, int]]:
+        started = time.perf_counter()
         params: dict[str, Any] = {}
         versions: dict[str, int] = {}
         if self.dense:
@@ -279,7 +284,13 @@ class Worker:
             for t, val in zip(self.sparse, rows):
                 params[t] = Rows(needed[t], val.value)
                 versions[t] = val.version
+        self.metrics.pulled(started, params.values())
         return params, versions
+
+    async def _push(self, grads: Mapping[str, Any], step: int, versions: dict[str, int]) -> None:
+        started = time.perf_counter()
+        await self.sess.push(grads, step=step, versions=versions)
+        self.metrics.pushed(started, grads)
 
     async def _compute(
         self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
@@ -329,6 +340,7 @@ class Worker:
             None if sync is None else control.token_queue(sess.client, cfg.container, cfg.index)
         )
         await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
+        self.metrics.start()
         stop_asked = await self._stop_asked()
         try:
             async for batch in batches:
@@ -354,7 +366,7 @@ class Worker:
                 if sync is not None:  # push for update local_step, then wait for it
                     assert tokens is not None
                     loss, grads = await self._compute(params, batch)
-                    await sess.push(grads, step=local_step, versions=versions)
+                    await self._push(grads, local_step, versions)
                     token = await self._token(tokens, sync[0])
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
@@ -365,17 +377,17 @@ class Worker:
                     local_step = token
                 elif self.sparse:  # the next batch's rows are pulled with it
                     loss, grads = await self._compute(params, batch)
-                    await sess.push(grads, step=step, versions=versions)
+                    await self._push(grads, step, versions)
                     pulled = None
                 elif self.inline:  # the push and the next pull travel together
                     loss, grads = await self._compute(params, batch)
-                    push = sess.push(grads, step=step, versions=versions)
+                    push = self._push(grads, step, versions)
                     _, pulled = await asyncio.gather(push, self._pull(batch))
                 else:  # the next pull runs while this step computes (on a thread)
                     ahead = asyncio.ensure_future(self._pull(batch))
                     try:
                         loss, grads = await self._compute(params, batch)
-                        await sess.push(grads, step=step, versions=versions)
+                        await self._push(grads, step, versions)
                     except BaseException:
                         ahead.cancel()
                         raise
@@ -384,6 +396,7 @@ class Worker:
                 n = int(batch[-1].shape[0])
                 res.steps, res.examples, res.last_loss = step, res.examples + n, loss
                 res.losses.append(loss)
+                self.metrics.step(n, loss)
                 if cfg.max_staleness is not None:
                     await job.ssp_advance(sess.client, cfg.container, cfg.name, step, self.names)
                 if step % cfg.log_every == 0:
@@ -493,10 +506,13 @@ class Worker:
         return await evaluate_params(self.sess, self.model, test)
 
 
-async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> WorkerResult:
+async def run_worker(
+    cfg: WorkerConfig, stop: asyncio.Event | None = None, metrics: _metrics.Metrics | None = None
+) -> WorkerResult:
     """Run one worker to its end (see the module docstring); ``stop`` set: finish the
     step in hand and stop (SIGTERM). ``cfg.index`` -1: claim an index (``--index
-    auto``, see :func:`workers.job.claim_index`) under this host's name."""
+    auto``, see :func:`workers.job.claim_index`) under this host's name. Its metrics go
+    to ``metrics`` (default: the process's, :func:`qps.metrics.default`)."""
     if cfg.index < 0:
         async with await qps.connect(cfg.url) as client:
             cfg.index = await job.claim_index(
@@ -504,7 +520,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> Wo
             )
         log.info("%s: claimed index %d of %d", cfg.name, cfg.index, cfg.num_workers)
     async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
-        w = Worker(cfg, sess)
+        w = Worker(cfg, sess, metrics)
         if stop is not None:
             w.stop = stop
         await w.prepare()

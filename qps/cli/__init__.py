@@ -49,9 +49,11 @@ __all__ = [
     "debug_enabled",
     "exit_code_for",
     "json_option",
+    "metrics_options",
     "remember_url",
     "run_async",
     "scrub",
+    "serve_metrics",
     "url_option",
 ]
 
@@ -251,6 +253,48 @@ def container_option(f: F) -> F:
         callback=_check_container,
         help="The resource container to read (queues, variables and counters live in one).",
     )(f)
+
+
+def metrics_options(f: F) -> F:
+    """``--metrics-port`` (env ``QPS_METRICS_PORT``) and ``--metrics-addr`` (env
+    ``QPS_METRICS_ADDR``): serve Prometheus metrics (see :func:`serve_metrics`)."""
+    f = click.option(
+        "--metrics-addr",
+        envvar="QPS_METRICS_ADDR",
+        show_envvar=True,
+        default="127.0.0.1",
+        show_default=True,
+        metavar="ADDR",
+        help="Address the metrics endpoint listens on (0.0.0.0: every interface).",
+    )(f)
+    return click.option(
+        "--metrics-port",
+        envvar="QPS_METRICS_PORT",
+        show_envvar=True,
+        type=click.IntRange(0, 65535),
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics at http://ADDR:PORT/metrics (0: a free port, "
+        "logged). Default: no endpoint.",
+    )(f)
+
+
+def serve_metrics(ctx: click.Context, port: int | None, addr: str) -> None:
+    """Serve the process's metrics (:func:`qps.metrics.default`) if ``port`` is given,
+    logging the bound address at INFO like the role's own log.
+
+    Raises:
+        CliError: the address cannot be bound.
+    """
+    if port is None:
+        return
+    from qps import metrics
+
+    role_logs(ctx, "qps.metrics")
+    try:
+        metrics.default().serve(port, addr)
+    except OSError as exc:
+        raise CliError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
 
 
 def yes_option(f: F) -> F:

@@ -19,8 +19,10 @@ from qps.cli import (
     container_option,
     echo_json,
     json_option,
+    metrics_options,
     role_logs,
     run_async,
+    serve_metrics,
     url_option,
 )
 from qps.errors import InvalidArgumentError
@@ -136,6 +138,7 @@ async def _run(
 @url_option()
 @container_option
 @json_option
+@metrics_options
 @click.pass_context
 def feed_command(
     ctx: click.Context,
@@ -155,6 +158,8 @@ def feed_command(
     url: str | None,
     container: str,
     json: bool,
+    metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Feed a dataset into a shared input queue: every example once per epoch (a fresh
     permutation each epoch unless --no-shuffle), in enqueue_many chunks of
@@ -171,7 +176,8 @@ def feed_command(
     container's counters feed/<queue>/examples and feed/<queue>/epochs (see `qps
     container stat`). SIGTERM or Ctrl-C stops enqueuing, leaves the queue consistent
     (open unless --close-on-term) and exits 0. Options also come from QPS_FEED_<OPTION>
-    variables (QPS_FEED_EPOCHS=3).
+    variables (QPS_FEED_EPOCHS=3). --metrics-port serves Prometheus metrics
+    (docs/metrics.md).
     """
     role_logs(ctx, "qps.feed")
     options = FeedOptions(
@@ -193,6 +199,7 @@ def feed_command(
             )
     except InvalidArgumentError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
+    serve_metrics(ctx, metrics_port, metrics_addr)
     result = run_async(_run(url, data_paths, options, dataset, x_key, y_key or None, split))
     if json:
         echo_json(result.as_dict())

@@ -26,8 +26,10 @@ from qps.cli import (
     connected,
     container_option,
     json_option,
+    metrics_options,
     role_logs,
     run_async,
+    serve_metrics,
     url_option,
 )
 from qps.optimizers import make_optimizer
@@ -149,6 +151,7 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
     help="How long a group keeps taking messages that are in the queue before it "
     "commits; it commits at once when the queue is empty.",
 )
+@metrics_options
 @click.pass_context
 def ps(
     ctx: click.Context,
@@ -164,6 +167,8 @@ def ps(
     max_group: int,
     max_group_mib: int,
     commit_interval_ms: float,
+    metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Run PS shard I of N: own the variables placed on it, apply the gradient messages
     of its queue with the optimizer, publish versioned parameters.
@@ -175,7 +180,8 @@ def ps(
     --max-group-mib, --commit-interval-ms). It exits 0 when the job is finished
     (`qps ps finish`) and its queue is drained, and on SIGTERM or Ctrl-C after the
     group in hand; 1 if its lease was lost. The first shard records N and the
-    optimizer in the container; later ones must agree.
+    optimizer in the container; later ones must agree. --metrics-port serves its
+    Prometheus metrics (docs/metrics.md).
 
     \b
     Subcommands: status, dlq ls|show|drop, finish (see `qps ps COMMAND --help`).
@@ -187,6 +193,7 @@ def ps(
     if shard >= num_shards:
         raise CliError(f"--shard {shard} is not below --num-shards {num_shards}", EXIT_USAGE)
     role_logs(ctx, "qps.ps")
+    serve_metrics(ctx, metrics_port, metrics_addr)
     options = ShardOptions(
         shard=shard,
         num_shards=num_shards,

@@ -38,7 +38,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
-    "max_group",
+    "max_group", "metrics_port", "metrics_addr",
     "checkpoint_dir", "checkpoint_every", "log_every",
 }  # fmt: skip
 
@@ -136,6 +136,24 @@ def _load_config(path: str) -> dict[str, Any]:
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=None)
 @click.option("--log-every", type=click.IntRange(min=1), default=None)
+@click.option(
+    "--metrics-port",
+    envvar="QPS_METRICS_PORT",
+    show_envvar=True,
+    type=click.IntRange(0, 65535),
+    default=None,
+    metavar="BASE",
+    help="Serve each role's Prometheus metrics: shard I on BASE+I, worker K on "
+    "BASE+shards+K (0: each a free port); the ports are printed.",
+)
+@click.option(
+    "--metrics-addr",
+    envvar="QPS_METRICS_ADDR",
+    show_envvar=True,
+    default=None,
+    metavar="ADDR",
+    help="Address the roles' metrics endpoints listen on [127.0.0.1].",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -152,7 +170,8 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
 
     Ctrl-C stops every role (SIGTERM, then SIGKILL after 10 s): nothing is left
     running. A worker that crashes does not stop an asynchronous job; a shard that
-    fails stops it (exit status 1).
+    fails stops it (exit status 1). --metrics-port gives every role a Prometheus
+    endpoint (docs/metrics.md).
     """
     from workers.launcher import TrainConfig, run_job
 
@@ -190,6 +209,8 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
                 EXIT_USAGE,
             )
     cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
+    if cfg.metrics_port and cfg.metrics_port + cfg.num_shards + cfg.num_workers > 65536:
+        raise CliError(f"--metrics-port {cfg.metrics_port} leaves too few ports", EXIT_USAGE)
     tty = sys.stderr.isatty() and not json
 
     def emit(line: str) -> None:

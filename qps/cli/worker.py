@@ -14,8 +14,10 @@ from qps.cli import (
     CliError,
     container_option,
     json_option,
+    metrics_options,
     role_logs,
     run_async,
+    serve_metrics,
     url_option,
 )
 
@@ -124,8 +126,11 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @url_option()
 @container_option
 @json_option
+@metrics_options
 @click.pass_context
-def worker(ctx: click.Context, /, json: bool, **opts: object) -> None:
+def worker(
+    ctx: click.Context, /, json: bool, metrics_port: int | None, metrics_addr: str, **opts: object
+) -> None:
     """Run training worker I of W (TF 1.x between-graph replication).
 
     Worker 0 is the chief: it initialises the variables (or restores the newest
@@ -138,7 +143,8 @@ def worker(ctx: click.Context, /, json: bool, **opts: object) -> None:
     It stops after --steps steps, at --until-global-step, at the end of its input, or
     on SIGTERM/Ctrl-C after the step in hand; then it records itself done (the chief
     prints the test accuracy of the digits example) and exits 0. Progress is logged
-    every --log-every steps and published for `qps top`.
+    every --log-every steps and published for `qps top`; --metrics-port serves
+    Prometheus metrics (docs/metrics.md).
     """
     from workers.worker import WorkerConfig, run_worker
 
@@ -149,6 +155,7 @@ def worker(ctx: click.Context, /, json: bool, **opts: object) -> None:
         cfg.check()
     except Exception as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
+    serve_metrics(ctx, metrics_port, metrics_addr)
 
     async def main() -> object:
         stop = asyncio.Event()

@@ -60,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qps import keys
+from qps import metrics as _metrics
 from qps.containers import Counter
 from qps.errors import (
     AbortedError,
@@ -329,6 +330,7 @@ class _Group:
     stale: list[tuple[str, int]] = field(default_factory=list)
     redo: bool = False
     msgs: list[GradientMessage] = field(default_factory=list)  # valid ones: ids to release
+    started: float = field(default_factory=time.perf_counter)  # qps_ps_apply_seconds
 
     def full(self, max_items: int, max_bytes: int) -> bool:
         return len(self.deliveries) >= max_items or self.nbytes >= max_bytes
@@ -406,7 +408,9 @@ class Shard:
             optimizer (without ``reset_slots``).
     """
 
-    def __init__(self, client: Client, options: ShardOptions) -> None:
+    def __init__(
+        self, client: Client, options: ShardOptions, metrics: _metrics.Metrics | None = None
+    ) -> None:
         o = options
         if not 0 <= o.shard < o.num_shards:
             raise InvalidArgumentError(f"shard {o.shard} is not in [0, {o.num_shards})")
@@ -447,6 +451,7 @@ class Shard:
         self.dropped = 0  # stale gradients dropped (synchronous training)
         self._acc = _Accum()
         self._sync_shards: int | None = None  # shards that hold variables (tokens)
+        self.metrics = (metrics or _metrics.default()).shard(self.container, o.shard)
 
     # -- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -602,6 +607,7 @@ class Shard:
                 self._halt()
                 return
             await self._stats({"heartbeat_ms": int(time.time() * 1000)}, {})
+            await self._sample()
 
     async def _release(self, reason: str) -> None:
         try:
@@ -670,6 +676,7 @@ class Shard:
         q = self._queue
         inbox = self._inbox = _Inbox(self.options.max_group, self.options.max_group_bytes)
         self.loop_started = time.monotonic()
+        await self._sample()
         fetcher = asyncio.ensure_future(self._fetch(q, inbox))
         toucher = asyncio.ensure_future(self._touch_loop(q))
 
@@ -719,6 +726,7 @@ class Shard:
                 d = await q.dequeue_acked()
                 self._held.append(d)
                 item = _Item(d, nbytes=_nbytes(d.value))
+                self.metrics.received(item.nbytes)
                 try:
                     item.msg = decode_message(d.value)
                 except DataLossError as exc:
@@ -1088,6 +1096,7 @@ class Shard:
             if m.step < self.sync_step:
                 await self._settle(q, [item.delivery] if item.delivery else [], ack=True)
                 self.dropped += 1
+                self.metrics.dropped_stale.inc()
                 await self._stats({}, {"dropped_stale": 1, f"dropped|{m.worker}": 1})
                 continue
             acc.items.append(item)
@@ -1169,6 +1178,7 @@ class Shard:
         """After the ack: forget the group's ids and count what was done."""
         self.applied += g.fresh
         self.skipped += g.skipped
+        self.metrics.committed(g.fresh, g.started, g.stale)
         incr: dict[str, int] = {}
         if g.fresh:
             incr = {"applied": g.fresh, "rows": g.rows, "bytes": g.bytes}
@@ -1233,7 +1243,21 @@ class Shard:
             pipe = self.client.commands.pipeline(transaction=False)
             pipe.rpush(self._prefix + "dlq", control.encode_dead_letter(entry))
             pipe.hincrby(self._prefix + "stats", "dead_letters", 1)
-            await pipe.execute()
+            dlq_length, _ = await pipe.execute()
+        self.metrics.dead_letters.set(dlq_length)
+
+    async def _sample(self) -> None:
+        """Read the queue's size and the dead-letter list's length for the metrics (at
+        the start and with every lease renewal)."""
+        try:
+            assert self._queue is not None
+            depth = await self._queue.size()
+            with map_errors():
+                dead = await self.client.commands.llen(self._prefix + "dlq")
+        except QpsError as exc:
+            self.log.debug("could not sample the queue for the metrics: %s", exc)
+            return
+        self.metrics.sampled(depth, int(dead))
 
     async def _stats(self, fields: dict[str, Any], incr: dict[str, int]) -> None:
         try:
