@@ -500,6 +500,12 @@ class Shard:
                 },
                 {"starts": 1},
             )
+            reclaimed = await self._queue.reclaim()  # what dead predecessors held
+            if reclaimed:
+                self.log.info(
+                    "put back %d delivery(ies) a previous owner took and never acknowledged",
+                    reclaimed,
+                )
             await self._own_placed()
             if self.sync is not None:
                 self.sync_step = max((o.t for o in self.owned.values()), default=0)
@@ -527,7 +533,9 @@ class Shard:
         if not await control.is_finished(self.client, self.container):
             return False
         assert self._queue is not None
-        return await self._queue.is_closed() and await self._queue.size() == 0
+        q = self._queue
+        # held: deliveries a dead predecessor took and never acked count as not drained
+        return await q.is_closed() and await q.size() == 0 and await q.held() == 0
 
     # -- the lease ---------------------------------------------------------------------------
     def _lease_keys(self) -> list[str]:
@@ -696,6 +704,9 @@ class Shard:
                 elif inbox.error is not None:
                     raise inbox.error
                 elif inbox.done:
+                    if not self._held and await q.held():  # not ours: a dead owner's
+                        n = await q.reclaim()
+                        self.log.info("put back %d delivery(ies) of a previous owner", n)
                     if await q.size():  # given back after the reader found it drained
                         inbox.done = False
                         fetcher = asyncio.ensure_future(self._fetch(q, inbox))

@@ -1079,6 +1079,33 @@ class QueueBase:
                 f"the lease of a delivery from '{self._name}' ran out: its elements were put back"
             )
 
+    async def held(self) -> int:
+        """How many attempts of consumers hold elements of this queue or wait for some:
+        acknowledged dequeues not yet acked or nacked, and waiting dequeues."""
+        return int((await self._reclaim("count"))[1])
+
+    async def reclaim(self) -> int:
+        """Put back at the front everything this queue's consumers hold (pending
+        deliveries of acknowledged dequeues, elements handed to waiting dequeues) and
+        cancel their waits, as if their leases had run out now; return how many attempts
+        were undone. Enqueues are left alone.
+
+        Only for a queue with one consumer at a time that knows it is the only one: a
+        PS shard whose new owner took the shard's lease gets back at once what its dead
+        predecessor held (instead of when those leases run out). A live consumer's
+        later ack of a reclaimed delivery raises AbortedError, as after its lease ran out.
+        """
+        return int((await self._reclaim("undo"))[1])
+
+    async def _reclaim(self, op: str) -> list[Any]:
+        reply = await (await self._c()).run_script("reclaim", self._skeys, [f"{LEASE_MS} {op}"])
+        if reply[0] == b"gone":
+            raise NotFoundError(
+                f"{self._spec.class_name} '{self._name}' no longer exists in container "
+                f"'{self._container}' (was it reset?)"
+            )
+        return list(reply)
+
     # -- close / state ------------------------------------------------------------
     async def close(
         self, cancel_pending_enqueues: bool = False, *, timeout: float | None = None

@@ -1,0 +1,509 @@
+"""Chaos run: a PS job under injected faults, checked for exactly-once application.
+
+A dedicated ``redis-server`` (TCP, AOF on, fsync every second), two PS shard processes
+(``qps ps``, default lease) and W worker processes pushing SGD gradients whose values are
+known: worker k's step s sends ``[1, a, b]`` to variable ``w`` (shard 0) and ``[1, c, d]``
+to ``v`` (shard 1), with a..d random 20-bit integers drawn from (k, s), so every sum is
+exact in float64 and every message can be told apart. A worker appends each step to its
+log once the push returned; a restarted worker resumes after its last logged step.
+
+Faults, spread over the run at evenly spaced points of training progress, in random
+order: SIGKILL of a shard (restarted at once, as a process manager would), SIGKILL of a
+worker (restarted), SIGSTOP of a worker for ``--stop-seconds`` then SIGCONT (a
+straggler), and a Redis restart (SHUTDOWN: the AOF is fsynced; roles that lose their
+connection exit and are restarted). Any role that exits with an error is restarted.
+
+Checked at the end, after the job is marked finished and both shards exited 0:
+
+* exactly once: for each variable, its value and version equal the sum and count of
+  every logged push plus a subset of the pushes that were in flight when their worker
+  died (they may or may not have landed); a lost or doubled message has no such subset;
+* the global step equals ``w``'s version (one per shard-0 message);
+* no process left, and no key left after ``qps container reset``.
+
+Recovery time of a shard kill: from the SIGKILL to the first group the restarted shard
+applied (its stats' ``first_ms``). The restarted shard takes over the dead one's lease at
+once (same host); see docs/ps.md.
+
+    python bench/chaos.py                                  # 4 workers, 2,000 steps each
+    python bench/chaos.py --workers 4 --steps 20000 --shard-kills 20 --worker-kills 10 \\
+        --stops 5 --redis-restarts 3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+C = "chaos"
+
+
+def grad(worker: int, step: int, var: int) -> np.ndarray:
+    """The gradient worker ``worker`` pushes at ``step`` for variable ``var`` (0: w, 1: v)."""
+    rng = np.random.default_rng([worker, step, var])
+    a, b = rng.integers(0, 1 << 20, size=2)
+    return np.array([1.0, float(a), float(b)], np.float64)
+
+
+# -- the worker role ------------------------------------------------------------------------
+
+
+async def worker_main(url: str, worker: int, steps: int, log_path: str) -> None:
+    import qps
+
+    first = last_logged(log_path) + 1
+    with open(log_path, "a", encoding="utf-8") as log:
+        async with qps.Session(url, container=C, worker=f"w{worker}") as sess:
+            for s in range(first, steps):
+                await sess.push({"w": grad(worker, s, 0), "v": grad(worker, s, 1)}, step=s)
+                log.write(f"{s}\n")
+                log.flush()
+
+
+def last_logged(path: str) -> int:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln for ln in f.read().split("\n") if ln.strip()]
+    except OSError:
+        return -1
+    return int(lines[-1]) if lines else -1
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    def __init__(self, workdir: str) -> None:
+        self.dir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        if binary is None:
+            from qps.embedded import find_server_binary
+
+            binary = find_server_binary()[0]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+             "--maxmemory-policy", "noeviction", "--logfile", os.path.join(self.dir, "redis.log")],
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not self._ping():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def shutdown(self) -> None:
+        """SHUTDOWN (the AOF is fsynced), then wait for the process."""
+        assert self.proc is not None
+        with contextlib.suppress(OSError), socket.create_connection(
+            ("127.0.0.1", self.port), timeout=5
+        ) as s:
+            s.sendall(b"SHUTDOWN\r\n")
+            with contextlib.suppress(OSError):
+                s.recv(64)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Role:
+    """One role process, restarted by :class:`Chaos` when it exits with an error."""
+
+    def __init__(self, name: str, argv: list[str], logfile: str) -> None:
+        self.name, self.argv, self.logfile = name, argv, logfile
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+        self.done = False  # exited 0
+        self.busy = False  # a fault is being injected: the supervisor keeps off
+
+    async def start(self) -> None:
+        self.starts += 1
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+        env.pop("QPS_REDIS_URL", None)
+        with open(self.logfile, "ab") as log:
+            log.write(f"=== start {self.starts} at {time.time():.3f}\n".encode())
+            log.flush()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+
+    def tail(self, n: int = 20) -> str:
+        with open(self.logfile, "rb") as f:
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.tmp = tempfile.mkdtemp(prefix="qps-chaos-")
+        self.redis = Redis(self.tmp)
+        self.roles: dict[str, Role] = {}
+        self.in_flight: list[tuple[int, int]] = []  # (worker, step) pushes of dead workers
+        self.events: list[dict[str, Any]] = []
+        self.recoveries: list[float] = []
+        self.pending_recovery: list[tuple[int, float]] = []  # (shard, kill time)
+        self.client: Any = None
+        self.redis_down = False
+
+    # -- set-up --------------------------------------------------------------------------
+    async def connect(self) -> None:
+        import qps
+
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close()
+        self.client = await qps.connect(self.redis.url)
+
+    async def setup(self) -> None:
+        import qps
+        from qps.optimizers import SGD
+        from qps.ps import control
+
+        self.redis.start()
+        await self.connect()
+        await control.configure(self.client, C, 2, SGD(learning_rate=1.0))
+        async with qps.Session(client=self.client, container=C) as sess:
+            for name in ("w", "v"):
+                await sess.variable(name, (3,), np.float64, initializer="zeros").create()
+        placed = await control.place_variables(self.client, C, ["w", "v"])
+        assert placed == {"w": 0, "v": 1}, placed
+        py = sys.executable
+        for i in range(2):
+            self.roles[f"ps{i}"] = Role(
+                f"ps{i}",
+                [py, "-m", "qps.cli.main", "ps", "--shard", str(i), "--num-shards", "2",
+                 "--url", self.redis.url, "--container", C],
+                os.path.join(self.tmp, f"ps{i}.log"),
+            )  # fmt: skip
+        for k in range(self.args.workers):
+            self.roles[f"w{k}"] = Role(
+                f"w{k}",
+                [py, __file__, "--role", "worker", "--url", self.redis.url, "--worker", str(k),
+                 "--steps", str(self.args.steps), "--log", self.log_path(k)],
+                os.path.join(self.tmp, f"w{k}.out"),
+            )  # fmt: skip
+        for role in self.roles.values():
+            await role.start()
+
+    def log_path(self, k: int) -> str:
+        return os.path.join(self.tmp, f"w{k}.steps")
+
+    # -- supervision -----------------------------------------------------------------------
+    async def supervise(self) -> None:
+        """Restart roles that exited with an error (a worker's push in flight is noted)."""
+        while True:
+            await asyncio.sleep(0.05)
+            if self.redis_down:
+                continue
+            for role in self.roles.values():
+                proc = role.proc
+                if role.done or role.busy or proc is None or proc.returncode is None:
+                    continue
+                if proc.returncode == 0:
+                    role.done = True
+                    continue
+                if role.name.startswith("w"):
+                    self._note_in_flight(int(role.name[1:]))
+                self.events.append({"t": time.time(), "restart": role.name,
+                                    "exit": proc.returncode})  # fmt: skip
+                await role.start()
+
+    def _note_in_flight(self, k: int) -> None:
+        s = last_logged(self.log_path(k)) + 1
+        if s < self.args.steps:
+            self.in_flight.append((k, s))
+
+    async def global_step(self) -> int:
+        from qps.ps import control
+
+        try:
+            return int(await control.global_step_counter(self.client, C).get())
+        except Exception:
+            return -1
+
+    async def measure_recoveries(self) -> None:
+        from qps.ps import control
+
+        while True:
+            await asyncio.sleep(0.05)
+            for item in list(self.pending_recovery):
+                shard, killed = item
+                try:
+                    st = await control.shard_status(self.client, C, shard)
+                except Exception:
+                    continue
+                first = int(st.fields.get("first_ms", 0) or 0) / 1000.0
+                started = int(st.fields.get("started_ms", 0) or 0) / 1000.0
+                if first and started >= killed and first >= killed:
+                    self.recoveries.append(first - killed)
+                    self.pending_recovery.remove(item)
+
+    # -- faults ----------------------------------------------------------------------------
+    async def fault(self, kind: str) -> None:
+        now = time.time()
+        if kind == "shard-kill":
+            i = self.rng.randrange(2)
+            role = self.roles[f"ps{i}"]
+            if role.done:
+                return
+            role.busy = True
+            role.signal(signal.SIGKILL)
+            assert role.proc is not None
+            await role.proc.wait()
+            self.pending_recovery.append((i, now))
+            await role.start()
+            role.busy = False
+            self.events.append({"t": now, "fault": kind, "role": role.name})
+        elif kind == "worker-kill":
+            live = [r for r in self.roles.values() if r.name.startswith("w") and not r.done]
+            if not live:
+                return
+            role = self.rng.choice(live)
+            role.busy = True
+            role.signal(signal.SIGKILL)
+            assert role.proc is not None
+            await role.proc.wait()
+            if role.proc.returncode != 0:
+                self._note_in_flight(int(role.name[1:]))
+                await role.start()
+            else:
+                role.done = True
+            role.busy = False
+            self.events.append({"t": now, "fault": kind, "role": role.name})
+        elif kind == "stop":
+            live = [r for r in self.roles.values() if r.name.startswith("w") and not r.done]
+            if not live:
+                return
+            role = self.rng.choice(live)
+            role.signal(signal.SIGSTOP)
+            await asyncio.sleep(self.args.stop_seconds)
+            role.signal(signal.SIGCONT)
+            self.events.append({"t": now, "fault": kind, "role": role.name})
+        elif kind == "redis-restart":
+            self.redis_down = True
+            await asyncio.to_thread(self.redis.shutdown)
+            await asyncio.to_thread(self.redis.start)
+            await self.connect()
+            self.redis_down = False
+            self.events.append({"t": now, "fault": kind})
+
+    # -- the run ---------------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        a = self.args
+        t0 = time.monotonic()
+        await self.setup()
+        faults = (["shard-kill"] * a.shard_kills + ["worker-kill"] * a.worker_kills
+                  + ["stop"] * a.stops + ["redis-restart"] * a.redis_restarts)  # fmt: skip
+        self.rng.shuffle(faults)
+        total = a.workers * a.steps
+        helpers = [asyncio.ensure_future(self.supervise()),
+                   asyncio.ensure_future(self.measure_recoveries())]  # fmt: skip
+        try:
+            for j, kind in enumerate(faults):
+                target = total * (j + 1) // (len(faults) + 1)
+                while await self.global_step() < target:
+                    await self.check_limit(t0)
+                    await asyncio.sleep(0.05)
+                await self.fault(kind)
+            workers = [r for r in self.roles.values() if r.name.startswith("w")]
+            while not all(r.done for r in workers):
+                await self.check_limit(t0)
+                await asyncio.sleep(0.1)
+            from qps.ps import control
+
+            await control.mark_finished(self.client, C)
+            shards = [self.roles["ps0"], self.roles["ps1"]]
+            while not all(r.done for r in shards):
+                await self.check_limit(t0)
+                await asyncio.sleep(0.1)
+            deadline = time.monotonic() + 30
+            while self.pending_recovery and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            for h in helpers:
+                h.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+        result = await self.verify()
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        return result
+
+    async def check_limit(self, t0: float) -> None:
+        if time.monotonic() - t0 > self.args.limit:
+            tails = {n: r.tail() for n, r in self.roles.items()}
+            raise RuntimeError(f"over the {self.args.limit} s limit; logs: {json.dumps(tails)}")
+
+    async def verify(self) -> dict[str, Any]:
+        import qps
+        from qps import containers
+        from qps.ps import control
+
+        a = self.args
+        logged = {k: self._logged_steps(k) for k in range(a.workers)}
+        problems: list[str] = []
+        for k, steps in logged.items():
+            if steps != list(range(a.steps)):
+                problems.append(f"worker {k} logged {len(steps)} steps, not 0..{a.steps - 1}")
+        found: dict[str, Any] = {}
+        for vi, name in enumerate(("w", "v")):
+            var = await qps.variables.open_variable(self.client, name, C)
+            got = await var.read()
+            base = np.zeros(3)
+            for k, steps in logged.items():
+                for s in steps:
+                    base -= grad(k, s, vi)
+            landed = None
+            extra = got.version - a.workers * a.steps
+            if 0 <= extra <= len(self.in_flight):
+                for subset in itertools.combinations(self.in_flight, extra):
+                    want = base - sum((grad(k, s, vi) for k, s in subset), np.zeros(3))
+                    if np.array_equal(got.value, want):
+                        landed = subset
+                        break
+            if landed is None:
+                problems.append(
+                    f"{name}: version {got.version}, value {got.value.tolist()} match no "
+                    f"subset of the {len(self.in_flight)} pushes in flight at a worker's "
+                    f"death on top of the {a.workers * a.steps} logged ones"
+                )
+            found[name] = {"version": got.version, "in_flight_landed": len(landed or ())}
+        gs = await self.global_step()
+        if gs != found["w"]["version"]:
+            problems.append(f"global step {gs} != w's version {found['w']['version']}")
+        left = [r.name for r in self.roles.values() if r.proc and r.proc.returncode is None]
+        if left:
+            problems.append(f"still running: {left}")
+        await containers.reset(self.client, [C])
+        dbsize = int(await self.client.commands.dbsize())
+        if dbsize:
+            keys_left = await self.client.commands.keys("*")
+            problems.append(f"{dbsize} key(s) left after the reset: {keys_left[:10]}")
+        rec = sorted(self.recoveries)
+        return {
+            "ok": not problems,
+            "problems": problems,
+            "workers": a.workers,
+            "steps_per_worker": a.steps,
+            "faults": {
+                kind: sum(1 for e in self.events if e.get("fault") == kind)
+                for kind in ("shard-kill", "worker-kill", "stop", "redis-restart")
+            },
+            "restarts": {n: r.starts - 1 for n, r in self.roles.items()},
+            "pushes_logged": a.workers * a.steps,
+            "pushes_in_flight_at_a_death": len(self.in_flight),
+            "variables": found,
+            "global_step": gs,
+            "lost": 0 if not problems else None,
+            "duplicated": 0 if not problems else None,
+            "recovery_s": {
+                "count": len(rec),
+                "p50": round(statistics.median(rec), 3) if rec else None,
+                "max": round(rec[-1], 3) if rec else None,
+                "all": [round(x, 3) for x in rec],
+            },
+            "shards_not_recovered": len(self.pending_recovery),
+        }
+
+    def _logged_steps(self, k: int) -> list[int]:
+        with open(self.log_path(k), encoding="utf-8") as f:
+            return [int(x) for x in f.read().split()]
+
+    async def close(self) -> None:
+        for role in self.roles.values():
+            role.signal(signal.SIGKILL)
+            if role.proc is not None:
+                with contextlib.suppress(Exception):
+                    await role.proc.wait()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close()
+        if self.redis.proc is not None and self.redis.proc.poll() is None:
+            self.redis.proc.kill()
+            self.redis.proc.wait()
+        if not self.args.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    chaos = Chaos(args)
+    try:
+        result = await chaos.run()
+    finally:
+        await chaos.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--log", help=argparse.SUPPRESS)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000, help="pushes per worker")
+    p.add_argument("--shard-kills", type=int, default=5)
+    p.add_argument("--worker-kills", type=int, default=3)
+    p.add_argument("--stops", type=int, default=2, help="SIGSTOP/SIGCONT of a worker")
+    p.add_argument("--stop-seconds", type=float, default=1.5)
+    p.add_argument("--redis-restarts", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=float, default=1800, help="wall-clock limit, s")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--json", action="store_true", help="one line of JSON")
+    args = p.parse_args()
+    if args.role == "worker":
+        asyncio.run(worker_main(args.url, args.worker, args.steps, args.log))
+        return
+    sys.exit(asyncio.run(main_async(args)))
+
+
+if __name__ == "__main__":
+    main()
