@@ -72,6 +72,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     log_every: int = 100
+    #: each worker writes TensorBoard scalars under logdir/worker-<index>/
+    logdir: str | None = None
     extra_worker_args: list[str] = field(default_factory=list)
 
     def worker_args(self, index: int, url: str, container: str) -> list[str]:
@@ -88,6 +90,8 @@ class TrainConfig:
             args += ["--checkpoint-dir", self.checkpoint_dir]
             if self.checkpoint_every:
                 args += ["--checkpoint-every", str(self.checkpoint_every)]
+        if self.logdir:
+            args += ["--logdir", self.logdir]
         return args + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:

@@ -39,7 +39,7 @@ CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group",
-    "checkpoint_dir", "checkpoint_every", "log_every",
+    "checkpoint_dir", "checkpoint_every", "log_every", "logdir",
 }  # fmt: skip
 
 
@@ -136,6 +136,13 @@ def _load_config(path: str) -> dict[str, Any]:
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=None)
 @click.option("--log-every", type=click.IntRange(min=1), default=None)
+@click.option(
+    "--logdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Every worker writes TensorBoard scalars under LOGDIR/worker-<index>/ "
+    "(see `qps plot LOGDIR`).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
