@@ -115,8 +115,7 @@ def plot(logdir: str, output: str, title: str, json: bool) -> None:
         drawn = draw(scalars, output, title)
     except ImportError as exc:
         raise CliError(
-            f"qps plot needs matplotlib ({exc}): install the 'plot' extra, "
-            "pip install 'qps[plot]'",
+            f"qps plot needs matplotlib ({exc}): install the 'plot' extra, pip install 'qps[plot]'",
             EXIT_FAILURE,
         ) from exc
     click.echo(

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
+from qps.cli.progress import Progress
 
 #: the examples ``--example`` names: option defaults for each
 EXAMPLES: dict[str, dict[str, Any]] = {
@@ -152,8 +153,9 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
 
     `qps train` runs the digits example: an MLP 64-128-10 on scikit-learn's digits,
     2 PS shards, 3 asynchronous workers of 1,500 steps each, SGD with learning rate
-    0.05. Every role's log is streamed with its name in front; the progress line shows
-    the global step, examples/s and the loss. When the workers are done the job is
+    0.05. Every role's log is streamed with its name in front; a progress bar (on a
+    terminal; a plain line every 10% elsewhere) shows the workers' steps, the global
+    step, examples/s and the loss. When the workers are done the job is
     marked finished, the shards drain their queues and exit, and the test accuracy,
     global step, examples/s and staleness (p50/p99, in applied updates) are printed.
 
@@ -197,18 +199,12 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
                 EXIT_USAGE,
             )
     cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
-    tty = sys.stderr.isatty() and not json
+    bar = Progress("qps train", unit="worker steps", live=sys.stderr.isatty() and not json)
 
     def emit(line: str) -> None:
         if quiet and line.startswith("["):
             return
-        if tty:
-            click.echo("\r\033[K", nl=False, err=True)
-        click.echo(line, err=True)
-
-    def progress(line: str) -> None:
-        if tty:
-            click.echo(f"\r\033[K{line}", nl=False, err=True)
+        bar.line(line)
 
     async def main() -> Any:
         stop = asyncio.Event()
@@ -216,14 +212,13 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            return await run_job(cfg, emit, progress if tty else None, stop)
+            return await run_job(cfg, emit, bar.update, stop)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 
-    result = run_async(main())
-    if tty:
-        click.echo("\r\033[K", nl=False, err=True)
+    with bar:
+        result = run_async(main())
     if json:
         click.echo(jsonlib.dumps(result.as_dict(), indent=2))
     else:
