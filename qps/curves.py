@@ -27,6 +27,7 @@ writing) ends that file quietly; a checksum that does not match raises
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,7 +78,13 @@ class ScalarWriter:
 
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._writer: Any = SummaryWriter(logdir=str(self.directory), flush_secs=flush_secs)
+        # tensorboardX names a file by the second and the host: the pid and a random
+        # suffix keep a worker restarted within the same second from reusing the name
+        self._writer: Any = SummaryWriter(
+            logdir=str(self.directory),
+            flush_secs=flush_secs,
+            filename_suffix=f".{os.getpid()}.{secrets.token_hex(3)}",
+        )
 
     def add(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record each ``tag: value`` of ``scalars`` at ``step``."""
