@@ -6,6 +6,7 @@ fakeredis and a real server."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -241,3 +242,29 @@ async def test_checkpoint_progress_callbacks(client: qps.Client, tmp_path: Path)
         client, tmp_path / "ck", container=c + "-b", progress=lambda *a: restored.append(a)
     )
     assert restored == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_checkpoint_cli_plain_progress_lines(redis_url: str, tmp_path: Path) -> None:
+    c = f"ckp-{secrets.token_hex(4)}"
+
+    async def make() -> None:
+        async with qps.Session(redis_url, container=c) as s:
+            for k in range(4):
+                await s.variable(f"v{k}", (2,), np.float32, np.full(2, k, np.float32)).create()
+
+    asyncio.run(make())
+    where = ["--url", redis_url, "--container", c]
+    r = CliRunner().invoke(cli, ["checkpoint", "save", str(tmp_path / "a"), *where])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == [
+        f"qps checkpoint save: {k}/4 variables ({25 * k}%)" for k in (1, 2, 3, 4)
+    ]
+    r = CliRunner().invoke(cli, ["checkpoint", "save", str(tmp_path / "b"), "--json", *where])
+    assert r.exit_code == 0 and r.stderr == ""
+    assert json.loads(r.output)["variables"] == 4
+    r = CliRunner().invoke(
+        cli, ["checkpoint", "restore", str(tmp_path / "a"), "--url", redis_url,
+              "--container", c + "-r"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[-1] == "qps checkpoint restore: 4/4 variables (100%)"
