@@ -33,7 +33,7 @@ from qps.cli import (
 from qps.cli import (
     interactive as _interactive,
 )
-from qps.cli.progress import Progress
+from qps.cli.progress import Progress, to_stderr
 from qps.errors import QpsError
 
 
@@ -81,13 +81,9 @@ def _progress(description: str, json: bool) -> Progress:
         description,
         unit="variables",
         live=False if json else None,
-        write=(lambda _: None) if json else _stderr,
+        write=(lambda _: None) if json else to_stderr,
         plain_step=25.0,
     )
-
-
-def _stderr(text: str) -> None:
-    click.echo(text, err=True)
 
 
 async def _save(

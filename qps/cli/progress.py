@@ -26,10 +26,11 @@ from rich.progress import (
 )
 from rich.progress import Progress as _Bar
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "to_stderr"]
 
 
-def _stderr_line(text: str) -> None:
+def to_stderr(text: str) -> None:
+    """Print one plain line to stderr (the default writer of plain lines)."""
     click.echo(text, err=True)
 
 
@@ -56,7 +57,7 @@ class Progress:
         unit: str = "",
         console: Console | None = None,
         live: bool | None = None,
-        write: Callable[[str], None] = _stderr_line,
+        write: Callable[[str], None] = to_stderr,
         plain_step: float = 10.0,
         plain_seconds: float = 10.0,
     ) -> None:
