@@ -380,7 +380,6 @@ class Chaos:
     async def verify(self) -> dict[str, Any]:
         import qps
         from qps import containers
-        from qps.ps import control
 
         a = self.args
         logged = {k: self._logged_steps(k) for k in range(a.workers)}

@@ -37,7 +37,7 @@ import secrets
 import shutil
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,6 +348,7 @@ async def save(
     directory: str | os.PathLike[str],
     *,
     container: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CheckpointInfo:
     """Save a consistent snapshot of the container's variables, optimizer slots,
     applied-message ids, counters (global step included), PS config and placement to
@@ -359,6 +360,7 @@ async def save(
             :class:`qps.Client` (default container ``"default"``).
         directory: the checkpoint directory to create.
         container: the container to save.
+        progress: called with (variables read, variables) after each one is read.
 
     Raises:
         FailedPreconditionError: ``directory`` exists already.
@@ -427,6 +429,8 @@ async def save(
                     {"full_shape": list(p.full_shape), "axis": p.axis, "parts": [None] * p.count},
                 )
                 entry["parts"][p.index] = n
+            if progress is not None:
+                progress(len(variables), len(snap.names))
         manifest: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -641,6 +645,7 @@ async def restore(
     *,
     container: str | None = None,
     overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CheckpointInfo:
     """Restore checkpoint ``directory`` into a container: variables (value, version,
     slots, ``t``, applied ids), counters (global step, fencing tokens), the PS config
@@ -656,6 +661,7 @@ async def restore(
         directory: the checkpoint.
         container: the target container.
         overwrite: reset a non-empty target container first.
+        progress: called with (variables restored, variables) after each one.
 
     Raises:
         NotFoundError: no checkpoint there.
@@ -674,11 +680,13 @@ async def restore(
                 "it would mix two jobs; reset it first (or pass overwrite=True / --yes)"
             )
         await reset(client, [cont])
-    max_token = 0
+    max_token = done = 0
     for n, v in m["variables"].items():
         spec = VariableSpec.from_json(json.dumps(v["spec"]))
         max_token = max(max_token, int(v["token"]))
         await _restore_variable(client, cont, n, spec, v, ck.values[n], ck.slots[n])
+        if progress is not None:
+            progress(done := done + 1, len(m["variables"]))
     for c, cv in m["counters"].items():
         value = int(cv["value"])
         if c == keys.PS_TOKEN_COUNTER:

@@ -5,8 +5,9 @@
 processes and ``num_workers`` ``qps worker`` processes, and watches them:
 
 * each child's output is streamed with a role prefix (``[worker1] ...``);
-* a progress line shows the global step, examples/s and the chief's last loss, read
-  from the job's published status in Redis;
+* progress (the workers' steps of their total, the global step, examples/s and the
+  chief's last loss, read from the job's published status in Redis) goes to a
+  ``progress`` callback: ``qps train`` draws it as a bar on a terminal;
 * when every worker has exited (a crashed worker does not stop an asynchronous job:
   the others carry on), the job is marked finished; the shards drain their queues and
   exit 0; the final metrics are printed (test accuracy, global step, examples/s,
@@ -78,6 +79,8 @@ class TrainConfig:
     #: serve each role's Prometheus metrics on metrics_port + k (see metrics_ports)
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    #: each worker writes TensorBoard scalars under logdir/worker-<index>/
+    logdir: str | None = None
     extra_worker_args: list[str] = field(default_factory=list)
 
     def metrics_ports(self) -> dict[str, int]:
@@ -110,6 +113,8 @@ class TrainConfig:
             args += ["--checkpoint-dir", self.checkpoint_dir]
             if self.checkpoint_every:
                 args += ["--checkpoint-every", str(self.checkpoint_every)]
+        if self.logdir:
+            args += ["--logdir", self.logdir]
         return args + self._metrics_args(f"worker{index}") + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:
@@ -217,23 +222,32 @@ async def _stop_all(roles: list[_Role], grace: float = GRACE_SECONDS) -> None:
                 await asyncio.wait_for(r.pump, 5)
 
 
-async def _progress(client: qps.Client, container: str) -> tuple[int, int, float | None]:
-    """(global step, examples so far, chief's last loss) from the job's status."""
+#: ``progress(worker steps done, their total or None, text)``: see :func:`run_job`
+ProgressFn = Callable[[int, "int | None", str], None]
+
+
+async def _progress(client: qps.Client, container: str) -> tuple[int, int, float | None, int]:
+    """(global step, examples so far, chief's last loss, the workers' steps so far)
+    from the job's status."""
     statuses = await job.read_statuses(client, container)
-    examples = sum(int(s.get("examples", 0)) for n, s in statuses.items() if n.startswith("worker"))
+    workers = [s for n, s in statuses.items() if n.startswith("worker")]
+    examples = sum(int(s.get("examples", 0)) for s in workers)
+    steps = sum(int(s.get("step", 0)) for s in workers)
     loss = statuses.get("worker0", {}).get("loss")
     step = await control.global_step_counter(client, container).get() if statuses else 0
-    return step, examples, loss
+    return step, examples, loss, steps
 
 
 async def run_job(
     cfg: TrainConfig,
     emit: Callable[[str], None],
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
     stop: asyncio.Event | None = None,
 ) -> JobResult:
     """Run the whole job (see the module docstring). ``emit`` prints one line of role
-    output or news; ``progress`` shows the progress line (None: no progress line);
+    output or news; ``progress`` is called about twice a second with the workers' steps
+    so far, their total (``steps`` times the workers; None when the input is a queue,
+    whose end is not known) and a line of text (None: no progress);
     ``stop`` set (Ctrl-C): stop every role and return with exit code 130."""
     server = None
     url = cfg.url
@@ -287,12 +301,13 @@ async def run_job(
                 for k in range(cfg.num_workers)
             ]
             roles = shards + workers
+            steps_total = None if cfg.data.startswith("queue:") else cfg.steps * cfg.num_workers
             result.exit_code = await _watch(
                 client, container, shards, workers, result, progress, stop, emit,
-                cfg.sync_replicas,
+                cfg.sync_replicas, steps_total,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
-            result.global_step, result.examples, result.last_loss = await _progress(
+            result.global_step, result.examples, result.last_loss, _ = await _progress(
                 client, container
             )
             if result.exit_code == 0:
@@ -336,10 +351,11 @@ async def _watch(
     shards: list[_Role],
     workers: list[_Role],
     result: JobResult,
-    progress: Callable[[str], None] | None,
+    progress: ProgressFn | None,
     stop: asyncio.Event,
     emit: Callable[[str], None],
     sync_replicas: int | None = None,
+    total_steps: int | None = None,
 ) -> int:
     """Wait for the workers, then finish the job and wait for the shards. Synchronous
     training ends once fewer than ``sync_replicas`` workers run: no update can form."""
@@ -381,12 +397,13 @@ async def _watch(
                 return 1
             await control.mark_finished(client, container)
         if progress is not None:
-            step, examples, loss = await _progress(client, container)
+            step, examples, loss, steps = await _progress(client, container)
             rate = examples / max(time.monotonic() - t0, 1e-9)
             loss_text = "-" if loss is None else f"{loss:.4f}"
             progress(
-                f"global step {step:,}  examples {examples:,}  {rate:,.0f} examples/s  "
-                f"loss {loss_text}"
+                steps,
+                total_steps,
+                f"global step {step:,}, {rate:,.0f} examples/s, loss {loss_text}",
             )
     stopping.cancel()
     if any(r.name in result.failed for r in shards):

@@ -30,7 +30,9 @@ involved), compute the loss and gradients, push one gradient message per PS shar
   finish marks the PS job finished, so the shards drain their queues and exit 0.
 
 Each worker publishes its status (step, loss, examples/s, state) in the container for
-``qps job status``/``qps top`` and logs progress every ``log_every`` steps.
+``qps job status``/``qps top`` and logs progress every ``log_every`` steps; with
+``logdir`` it also writes its training curves there (:mod:`qps.curves`: loss,
+examples/s, staleness, and the chief's test accuracy at each log point).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 
 import qps
-from qps import checkpoint
+from qps import checkpoint, curves
 from qps import metrics as _metrics
 from qps.errors import (
     CancelledError,
@@ -122,6 +124,7 @@ class WorkerConfig:
     checkpoint_every: int = 0
     evaluate: bool = True
     finish_job: bool = True
+    logdir: str | None = None  # TensorBoard scalars under logdir/worker-<index>/
 
     def check(self) -> None:
         """Raises InvalidArgumentError for settings that cannot work."""
@@ -219,6 +222,8 @@ class Worker:
         self.stop = asyncio.Event()
         self.result = WorkerResult()
         self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
+        self.curves: curves.ScalarWriter | None = None
+        self._stale_seen: dict[int, int] = {}  # staleness histogram at the last curve point
 
     # -- set-up ------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -322,6 +327,8 @@ class Worker:
         cfg, sess, res = self.cfg, self.sess, self.result
         source = _Input(cfg, sess, self.model)
         await source.open()
+        if cfg.logdir:
+            self.curves = curves.ScalarWriter(curves.run_dir(cfg.logdir, cfg.index))
         res.global_step = await sess.global_step()
         start = time.monotonic()
         res.started_at = time.time()
@@ -409,6 +416,8 @@ class Worker:
                         cfg.name, step, res.global_step, loss, rate,
                     )  # fmt: skip
                     await self._publish("training", rate)
+                    if self.curves is not None:
+                        await self._curve_point(loss, rate, ps_cfg, source.test)
                     stop_asked = await self._stop_asked()
                     if next_ckpt and res.global_step >= next_ckpt:
                         await self._checkpoint()
@@ -428,6 +437,37 @@ class Worker:
             cfg.name, res.steps, res.global_step, res.stopped_by,
         )  # fmt: skip
         return res
+
+    async def _curve_point(
+        self,
+        loss: float,
+        rate: float,
+        ps_cfg: control.PSConfig | None,
+        test: tuple[np.ndarray, ...] | None,
+    ) -> None:
+        """Write this log point's scalars (see :mod:`qps.curves`): the loss, the rate,
+        the mean staleness of this worker's gradients the shards applied since the last
+        point (from their histograms); the chief also evaluates the job's parameters
+        on the test split."""
+        assert self.curves is not None
+        client, container = self.sess.client, self.cfg.container
+        point = {curves.LOSS: loss, curves.THROUGHPUT: rate}
+        if ps_cfg is not None:
+            got = await asyncio.gather(
+                *(control.shard_status(client, container, i) for i in range(ps_cfg.num_shards))
+            )
+            hist: dict[int, int] = {}
+            for st in got:
+                for b, n in st.staleness.get(self.cfg.name, {}).items():
+                    hist[b] = hist.get(b, 0) + n
+            new = {b: n - self._stale_seen.get(b, 0) for b, n in hist.items()}
+            self._stale_seen = hist
+            if (count := sum(new.values())) > 0:
+                point[curves.STALENESS] = sum(b * n for b, n in new.items()) / count
+        if self.cfg.index == 0 and self.cfg.evaluate and test is not None:
+            metric, value = await evaluate_params(self.sess, self.model, test)
+            point[f"test/{metric}"] = value
+        self.curves.add(self.result.steps, point)
 
     async def _stop_asked(self) -> str:
         """Why this worker must stop (``qps job stop``: :func:`workers.job.request_stop`),
@@ -490,6 +530,8 @@ class Worker:
             if got is not None:
                 res.test_metric, res.test_value = got
                 log.info("%s: test %s %.4f", cfg.name, *got)
+                if self.curves is not None:
+                    self.curves.add(res.steps, {f"test/{got[0]}": got[1]})
                 await job.publish_status(sess.client, cfg.container, "eval", {got[0]: got[1]})
         if cfg.finish_job and done >= cfg.num_workers:
             try:
@@ -523,7 +565,11 @@ async def run_worker(
         w = Worker(cfg, sess, metrics)
         if stop is not None:
             w.stop = stop
-        await w.prepare()
-        await w.train()
-        await w.finish()
+        try:
+            await w.prepare()
+            await w.train()
+            await w.finish()
+        finally:
+            if w.curves is not None:
+                w.curves.close()
         return w.result

@@ -8,6 +8,7 @@ list the checkpoints under a directory (:mod:`qps.checkpoint`).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from qps.cli import (
 from qps.cli import (
     interactive as _interactive,
 )
+from qps.cli.progress import Progress, to_stderr
 from qps.errors import QpsError
 
 
@@ -72,9 +74,23 @@ def checkpoint() -> None:
 # -- save --------------------------------------------------------------------------------------
 
 
-async def _save(url: str | None, container: str, directory: str) -> ck.CheckpointInfo:
+def _progress(description: str, json: bool) -> Progress:
+    """Variables done of all: a bar on a terminal, else a line every 25% (none with
+    --json, whose output is the result alone)."""
+    return Progress(
+        description,
+        unit="variables",
+        live=False if json else None,
+        write=(lambda _: None) if json else to_stderr,
+        plain_step=25.0,
+    )
+
+
+async def _save(
+    url: str | None, container: str, directory: str, progress: Callable[[int, int], None]
+) -> ck.CheckpointInfo:
     async with connected(url) as client:
-        return await ck.save(client, directory, container=container)
+        return await ck.save(client, directory, container=container, progress=progress)
 
 
 @checkpoint.command(name="save")
@@ -94,7 +110,8 @@ def save_command(directory: str, url: str | None, container: str, json: bool) ->
     "nbytes", "qps_version"}. Exits with 3 if the container holds no variables, 1 if
     DIR exists.
     """
-    info = run_async(_save(url, container, directory))
+    with _progress("qps checkpoint save", json) as bar:
+        info = run_async(_save(url, container, directory, bar.update))
     if json:
         _echo_json(info.as_dict())
         return
@@ -109,7 +126,11 @@ def save_command(directory: str, url: str | None, container: str, json: bool) ->
 
 
 async def _restore(
-    url: str | None, container: str | None, directory: str, yes: bool
+    url: str | None,
+    container: str | None,
+    directory: str,
+    yes: bool,
+    progress: Callable[[int, int], None],
 ) -> ck.CheckpointInfo:
     info = ck.load(directory).info  # verified before anything is asked or written
     target = container or info.container
@@ -129,7 +150,9 @@ async def _restore(
             )
             if not click.confirm(question, default=False, err=True):
                 raise CliError(f"not confirmed; '{target}' left as it was", EXIT_FAILURE)
-        return await ck.restore(client, directory, container=target, overwrite=not empty)
+        return await ck.restore(
+            client, directory, container=target, overwrite=not empty, progress=progress
+        )
 
 
 @checkpoint.command(name="restore")
@@ -163,7 +186,8 @@ def restore_command(
     unless --yes is given). Exits with 3 if DIR holds no checkpoint. With --json, the
     checkpoint as for `save`, plus "restored_into".
     """
-    info = run_async(_restore(url, container, directory, yes))
+    with _progress("qps checkpoint restore", json) as bar:
+        info = run_async(_restore(url, container, directory, yes, bar.update))
     target = container or info.container
     if json:
         _echo_json({**info.as_dict(), "restored_into": target})

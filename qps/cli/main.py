@@ -29,6 +29,7 @@ from qps.cli.container import container
 from qps.cli.demo import demo
 from qps.cli.feed import feed_command
 from qps.cli.job import job
+from qps.cli.plot import plot
 from qps.cli.ps import ps
 from qps.cli.queue import queue
 from qps.cli.server import server
@@ -72,8 +73,9 @@ def cli(log_level: str, log_json: bool) -> None:
     move real tensors between two processes through a shared queue, `qps queue ...` to
     inspect and close queues, `qps var ...` to inspect and print variables,
     `qps container ...` to list, inspect and reset resource containers, and
-    `qps checkpoint ...` to save, restore and list checkpoints of a PS job, and
-    `qps server start|stop|status` to run the embedded Redis server across commands.
+    `qps checkpoint ...` to save, restore and list checkpoints of a PS job,
+    `qps server start|stop|status` to run the embedded Redis server across commands,
+    and `qps plot` to draw the training curves of `qps train --logdir`.
 
     Every command takes --url (env QPS_REDIS_URL); without one it uses the local
     embedded server. Options can also be set through environment variables
@@ -104,6 +106,7 @@ cli.add_command(checkpoint)
 cli.add_command(demo)
 cli.add_command(feed_command)
 cli.add_command(server)
+cli.add_command(plot)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
+from qps.cli.progress import Progress
 
 #: the examples ``--example`` names: option defaults for each
 EXAMPLES: dict[str, dict[str, Any]] = {
@@ -39,7 +40,7 @@ CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group", "metrics_port", "metrics_addr",
-    "checkpoint_dir", "checkpoint_every", "log_every",
+    "checkpoint_dir", "checkpoint_every", "log_every", "logdir",
 }  # fmt: skip
 
 
@@ -154,6 +155,13 @@ def _load_config(path: str) -> dict[str, Any]:
     metavar="ADDR",
     help="Address the roles' metrics endpoints listen on [127.0.0.1].",
 )
+@click.option(
+    "--logdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Every worker writes TensorBoard scalars under LOGDIR/worker-<index>/ "
+    "(see `qps plot LOGDIR`).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -163,8 +171,9 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
 
     `qps train` runs the digits example: an MLP 64-128-10 on scikit-learn's digits,
     2 PS shards, 3 asynchronous workers of 1,500 steps each, SGD with learning rate
-    0.05. Every role's log is streamed with its name in front; the progress line shows
-    the global step, examples/s and the loss. When the workers are done the job is
+    0.05. Every role's log is streamed with its name in front; a progress bar (on a
+    terminal; a plain line every 10% elsewhere) shows the workers' steps, the global
+    step, examples/s and the loss. When the workers are done the job is
     marked finished, the shards drain their queues and exit, and the test accuracy,
     global step, examples/s and staleness (p50/p99, in applied updates) are printed.
 
@@ -211,18 +220,12 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
     if cfg.metrics_port and cfg.metrics_port + cfg.num_shards + cfg.num_workers > 65536:
         raise CliError(f"--metrics-port {cfg.metrics_port} leaves too few ports", EXIT_USAGE)
-    tty = sys.stderr.isatty() and not json
+    bar = Progress("qps train", unit="worker steps", live=sys.stderr.isatty() and not json)
 
     def emit(line: str) -> None:
         if quiet and line.startswith("["):
             return
-        if tty:
-            click.echo("\r\033[K", nl=False, err=True)
-        click.echo(line, err=True)
-
-    def progress(line: str) -> None:
-        if tty:
-            click.echo(f"\r\033[K{line}", nl=False, err=True)
+        bar.line(line)
 
     async def main() -> Any:
         stop = asyncio.Event()
@@ -230,14 +233,13 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            return await run_job(cfg, emit, progress if tty else None, stop)
+            return await run_job(cfg, emit, bar.update, stop)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 
-    result = run_async(main())
-    if tty:
-        click.echo("\r\033[K", nl=False, err=True)
+    with bar:
+        result = run_async(main())
     if json:
         click.echo(jsonlib.dumps(result.as_dict(), indent=2))
     else:

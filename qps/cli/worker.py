@@ -110,6 +110,13 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
     help="The chief saves a checkpoint every this many global steps (0: never).",
 )
 @click.option(
+    "--logdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write TensorBoard scalars (loss, examples/s, staleness; the chief's test "
+    "accuracy) under LOGDIR/worker-<index>/ every --log-every steps; see `qps plot`.",
+)
+@click.option(
     "--ready-timeout",
     type=float,
     default=600.0,
@@ -144,7 +151,8 @@ def worker(
     on SIGTERM/Ctrl-C after the step in hand; then it records itself done (the chief
     prints the test accuracy of the digits example) and exits 0. Progress is logged
     every --log-every steps and published for `qps top`; --metrics-port serves
-    Prometheus metrics (docs/metrics.md).
+    Prometheus metrics (docs/metrics.md); with --logdir the training curves are
+    written for TensorBoard and `qps plot`.
     """
     from workers.worker import WorkerConfig, run_worker
 
