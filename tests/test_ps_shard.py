@@ -556,3 +556,26 @@ async def test_a_live_holder_is_not_taken_over(
     assert (await sess.client.commands.get(lease)).decode() == held
     shard.request_stop()
     assert await asyncio.wait_for(task, 10) == "stopped"
+
+
+async def test_deliveries_a_dead_owner_held_are_applied_before_finishing(job: Job) -> None:
+    """A shard that died holding messages it had taken (read ahead, never acked): its
+    successor puts them back and applies them, even when the job is already marked
+    finished and the queue looks empty (it used to exit 'finished' and lose them)."""
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    await sess.variable("w", (1,), np.float64, initializer="zeros").create()
+    for _ in range(3):
+        await sess.push({"w": np.ones(1)})
+    dead = await job.make_client()
+    grads = control.gradient_queue(dead, C, 0)
+    taken = [await grads.dequeue_acked(), await grads.dequeue_acked()]  # then "SIGKILL"
+    assert all(d.tokens for d in taken)
+    assert await grads.size() == 1 and await grads.held() == 2
+    await control.mark_finished(sess.client, C)
+    shard, task = await job.shard()
+    assert await asyncio.wait_for(task, 30) == "finished"
+    assert shard.applied == 3
+    assert await sess.global_step() == 3
+    assert (await sess.pull("w")).value.tolist() == [-3.0]
+    assert await grads.held() == 0 and await grads.size() == 0

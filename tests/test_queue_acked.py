@@ -192,3 +192,35 @@ async def test_killed_consumer_elements_are_redelivered(redis_url):
 async def _held(q, n):
     s = await q.stats()
     return s.pending_dequeues == 1 and s.held == n
+
+
+async def test_reclaim_puts_back_what_consumers_hold_in_order(make_client):
+    """reclaim(): the deliveries a (dead) consumer holds go back to the front, the
+    oldest first, and a waiting dequeue is cancelled; enqueues waiting on a full queue
+    are left alone. A later ack of a reclaimed delivery is refused, as after its lease."""
+    dead, me = await make_client(), await make_client()
+    q_dead, q = fifo(dead, capacity=6), fifo(me, capacity=6)
+    await q.enqueue_many(np.arange(6, dtype=I64))
+    d1 = await q_dead.dequeue_many_acked(2)
+    d2 = await q_dead.dequeue_acked()
+    assert await q.held() == 2 and await q.size() == 3
+    await q.enqueue_many(np.arange(6, 9, dtype=I64))  # fills the queue: 3 wait
+
+    blocked = asyncio.ensure_future(q.enqueue(np.int64(100)))
+
+    async def waiting() -> bool:
+        return (await q.stats()).pending_enqueues == 1
+
+    await until(waiting)
+    assert await q.reclaim() == 2
+    assert await q.held() == 0
+    assert blocked.done() is False  # still waiting: the queue is full again
+    got = await q.dequeue_many(6)
+    assert got.tolist() == [0, 1, 2, 3, 4, 5]
+    await asyncio.wait_for(blocked, 10)  # the dequeue made room for it
+    assert (await q.dequeue_many(4)).tolist() == [6, 7, 8, 100]
+    with pytest.raises(AbortedError):
+        await q_dead.ack(d1)
+    with pytest.raises(AbortedError):
+        await q_dead.ack(d2)
+    assert await q.reclaim() == 0 and await q.size() == 0
