@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
+import os
 import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -168,6 +171,40 @@ async def test_tls_without_the_ca_or_without_tls_is_refused(tls_server: tuple[in
             await qps.FIFOQueue(1, np.int64, shared_name="x", client=client).size()
         finally:
             await client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tiny_job_trains_over_tls_and_a_wrong_ca_is_refused(
+    tls_server: tuple[int, str], tmp_path: Path
+) -> None:
+    """`qps train` against the TLS server (a shard and a worker, each its own process,
+    all over TLS with the test CA); the same command with another CA is refused."""
+    port, ca = tls_server
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OPENBLAS_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("QPS_REDIS_URL", None)
+
+    def train(ca_file: str) -> subprocess.CompletedProcess[str]:
+        url = f"rediss://localhost:{port}/0?ssl_ca_certs={ca_file}"
+        return subprocess.run(
+            [sys.executable, "-m", "qps.cli.main", "train", "--url", url, "--ps", "1",
+             "--workers", "1", "--steps", "200", "--json", "-q"],
+            capture_output=True, text=True, env=env, timeout=240, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    ok = train(ca)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    result = json.loads(ok.stdout)
+    assert result["global_step"] == 200 and result["failed"] == {}
+    assert result["test_value"] is not None and result["test_value"] > 0.5
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             "/CN=some other CA", "-keyout", "other.key", "-out", "other.crt",
+             cwd=str(tmp_path))  # fmt: skip
+    bad = train(str(tmp_path / "other.crt"))
+    assert bad.returncode == 5, bad.stderr[-2000:]  # unavailable: the handshake failed
+    assert "certificate verify failed" in bad.stderr or "CERTIFICATE" in bad.stderr.upper()
+    assert "Traceback" not in bad.stderr
 
 
 # -- ACL: a job's credentials reach its own container only ----------------------------------
