@@ -623,3 +623,61 @@ def test_demo_sigterm_stops_children_and_server() -> None:
         pattern = f"qps.cli.demo .*--parent-pid {proc.pid}"
         left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
         assert left.stdout.strip() == ""
+
+
+# -- qps queue drain ------------------------------------------------------------------------
+
+
+def test_drain_needs_yes_then_takes_everything_into_an_npz(
+    redis_url: str, container: str, tmp_path: Path
+) -> None:
+    make_fifo(redis_url, container, "q", n=1200, capacity=2000)
+    r = CliRunner().invoke(cli, qargs("drain", redis_url, container, "q"))
+    assert r.exit_code == 2 and "--yes" in r.stderr
+    assert fifo_state(redis_url, container, "q") == (1200, False)
+
+    out = tmp_path / "taken.npz"
+    r = CliRunner().invoke(cli, qargs("drain", redis_url, container, "q", "--yes", "--max",
+                                      "1000", "-o", str(out)))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"drained 1000 element(s) from FIFOQueue '{container}/q' into {out}; 200 left" in (
+        r.stdout
+    )
+    # not a terminal: plain progress lines on stderr, the last at 100 %
+    assert "qps queue drain q: 1,000/1,000 elements (100%)" in r.stderr
+    with np.load(out, allow_pickle=False) as z:
+        assert sorted(z.files) == ["c0", "c1"]
+        assert z["c0"].shape == (1000, 2, 3) and z["c0"].dtype == np.float32
+        np.testing.assert_array_equal(z["c1"], np.arange(1000) + 100)  # FIFO order
+        np.testing.assert_array_equal(z["c0"][7].ravel(), np.arange(42, 48, dtype=np.float32))
+
+    r = invoke(*qargs("drain", redis_url, container, "q", "--yes", "--json"))
+    d = json.loads(r.stdout)
+    assert (d["drained"], d["left"], d["stopped"], d["saved"]) == (200, 0, "empty", None)
+    assert fifo_state(redis_url, container, "q") == (0, False)  # still open
+    r = invoke(*qargs("drain", redis_url, container, "q", "--json"))  # nothing: no question
+    assert json.loads(r.stdout)["drained"] == 0
+
+
+def test_drain_closed_queue_and_varying_shapes(
+    redis_url: str, container: str, tmp_path: Path
+) -> None:
+    async def fill() -> None:
+        async with await qps.connect(redis_url) as c:
+            q = qps.FIFOQueue(10, [np.int32], shared_name="v", container=container, client=c)
+            for n in (1, 3, 2):
+                await q.enqueue(np.arange(n, dtype=np.int32))
+            await q.close()
+
+    asyncio.run(fill())
+    out = tmp_path / "v"
+    r = invoke(*qargs("drain", redis_url, container, "v", "--yes", "-o", str(out), "--json"))
+    d = json.loads(r.stdout)
+    assert (d["drained"], d["stopped"], d["saved"]) == (3, "closed and empty", f"{out}.npz")
+    with np.load(f"{out}.npz", allow_pickle=False) as z:
+        assert [z[f"c0_{j}"].tolist() for j in range(3)] == [[0], [0, 1, 2], [0, 1]]
+
+
+def test_drain_missing_queue_exit_3(redis_url: str, container: str) -> None:
+    r = CliRunner().invoke(cli, qargs("drain", redis_url, container, "nope", "--yes"))
+    assert r.exit_code == 3

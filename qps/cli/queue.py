@@ -426,3 +426,155 @@ def close_command(
     if result["cancelled_pending_enqueues"]:
         text += f"; cancelled {result['cancelled_pending_enqueues']} pending enqueue(s)"
     click.echo(text)
+
+
+# -- drain ------------------------------------------------------------------------------
+
+#: ``drain`` takes at most this many elements per call.
+DRAIN_BATCH = 500
+
+
+def _components(element: Any, n: int) -> list[np.ndarray]:
+    """An element (or a batch) as returned by a dequeue, as its list of components."""
+    if isinstance(element, dict):
+        return [np.asarray(v) for v in element.values()]
+    if isinstance(element, (list, tuple)):
+        return [np.asarray(v) for v in element]
+    return [np.asarray(element)]
+
+
+async def _drain(
+    url: str | None,
+    container: str,
+    name: str,
+    yes: bool,
+    limit: int | None,
+    out: str | None,
+    json: bool,
+) -> dict[str, Any]:
+    from qps.cli.progress import Progress
+    from qps.errors import OutOfRangeError, WouldBlockError
+
+    async with connected(url) as client:
+        before = await queue_stats(client, name, container)
+        where = f"{container}/{name}"
+        total = before.size if limit is None else min(limit, before.size)
+        if total and not yes:
+            if not _interactive():
+                raise CliError(
+                    f"draining queue '{where}' removes its elements and stdin is not a "
+                    "terminal to confirm it: pass --yes",
+                    EXIT_USAGE,
+                )
+            question = f"Take {total} element(s) out of {before.spec.class_name} '{where}'?"
+            if not click.confirm(question, default=False):
+                raise CliError(f"not confirmed; queue '{where}' left as it was", EXIT_FAILURE)
+        q = queue_from_spec(before.spec, name, container, client)
+        batched = before.spec.shapes is not None
+        ncomp = len(before.spec.dtypes)
+        parts: list[list[np.ndarray]] = [[] for _ in range(ncomp)]
+        taken, stopped = 0, "empty"
+        with Progress(f"qps queue drain {name}", total, unit="elements",
+                      live=None if not json else False, plain_step=25) as bar:  # fmt: skip
+            while limit is None or taken < limit:
+                want = DRAIN_BATCH if limit is None else min(DRAIN_BATCH, limit - taken)
+                try:
+                    if batched:
+                        got = _components(await q.dequeue_up_to_nowait(want), ncomp)
+                        count = len(got[0])
+                    else:
+                        got = [c[None] for c in _components(await q.dequeue_nowait(), ncomp)]
+                        count = 1
+                except WouldBlockError:
+                    stopped = "would block" if await q.size() else "empty"
+                    break
+                except OutOfRangeError:
+                    stopped = "closed and empty"
+                    break
+                taken += count
+                if out is not None:
+                    for i, c in enumerate(got):
+                        parts[i].append(c)
+                bar.update(taken, max(total, taken))
+            else:
+                stopped = "limit"
+        saved = None
+        if out is not None:
+            labels = list(before.spec.names or [f"c{i}" for i in range(ncomp)])
+            arrays: dict[str, np.ndarray] = {}
+            for label, chunks in zip(labels, parts, strict=True):
+                if not chunks:
+                    continue
+                if batched:
+                    arrays[label] = np.concatenate(chunks)
+                else:  # shapes vary: one array per element
+                    for j, c in enumerate(chunks):
+                        arrays[f"{label}_{j}"] = c[0]
+            save: Any = np.savez  # its stub types **arrays as allow_pickle's bool
+            save(out, allow_pickle=False, **arrays)
+            saved = out if out.endswith(".npz") else out + ".npz"
+        left = await q.size()
+    return {
+        "queue": name,
+        "container": container,
+        "type": before.spec.class_name,
+        "drained": taken,
+        "left": left,
+        "stopped": stopped,
+        "saved": saved,
+    }
+
+
+@queue.command(name="drain")
+@click.argument("name")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE.npz",
+    help="Save what was taken to FILE.npz (one array per component, named as the "
+    "queue's components or c0, c1, ...; elements of varying shapes one array each).",
+)
+@click.option(
+    "--max",
+    "limit",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Take at most N elements.",
+)
+@yes_option
+@url_option()
+@container_option
+@json_option
+def drain_command(
+    name: str,
+    out: str | None,
+    limit: int | None,
+    yes: bool,
+    url: str | None,
+    container: str,
+    json: bool,
+) -> None:
+    """Take every element stored in queue NAME out of it now (or --max N), without
+    waiting for more, and print how many; --out saves them to an .npz file.
+
+    It removes data, so it asks for confirmation unless --yes is given (required when
+    stdin is not a terminal: exit 2 without it). A progress bar shows on a terminal,
+    plain lines elsewhere. A RandomShuffleQueue that is still open keeps its
+    min_after_dequeue elements (drain stops there: close it first to take them all).
+    Pending (blocked) enqueues are not taken. Exits with 3 if there is no such queue.
+    """
+    result = run_async(_drain(url, container, name, yes, limit, out, json))
+    if json:
+        _echo_json(result)
+        return
+    where = f"{container}/{name}"
+    text = f"drained {result['drained']} element(s) from {result['type']} '{where}'"
+    if result["saved"]:
+        text += f" into {result['saved']}"
+    text += f"; {result['left']} left"
+    if result["stopped"] == "would block":
+        text += " (an open RandomShuffleQueue keeps min_after_dequeue; close it to take all)"
+    click.echo(text)
