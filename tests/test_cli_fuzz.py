@@ -204,9 +204,10 @@ def real_url(redis_url: str) -> str:
 @given(data=st.data())
 def test_fuzz_urls_never_print_the_password(real_url: str, data: st.DataObject) -> None:
     url, pw = data.draw(_urls(real_url))
-    for cmd in (["queue", "ls"], ["container", "ls"], ["var", "ls"]):
-        args = [*cmd, "--url", url]
-        assert_clean(invoke(*args), args, (0, 1, 2, 5), secret=pw)
+    # one command per example: a refused connection costs redis-py's retries
+    cmd = data.draw(st.sampled_from([["queue", "ls"], ["container", "ls"], ["var", "ls"]]))
+    args = [*cmd, "--url", url]
+    assert_clean(invoke(*args), args, (0, 1, 2, 5), secret=pw)
 
 
 # -- checkpoint files ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ TF1_SEMANTICS.md §1 (two strict FIFO attempt lines, head-of-line blocking, part
 close joining the enqueue line) decides the outcome of every call, including which waiting
 call an enqueue serves.
 
-Every call runs as a task. After each rule:
+The same machines also run, with fewer examples, against a real server. Every call runs
+as a task. After each rule:
 
 * the calls the model says have finished are awaited and their outcome compared (which
   error; which elements, in order for FIFO, padding and priority queues; for a shuffle
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import math
 import os
 from collections import Counter
@@ -38,9 +40,16 @@ from typing import Any
 
 import fakeredis
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import qps
 from qps import transport
@@ -50,6 +59,7 @@ from qps.errors import (
     OutOfRangeError,
     WouldBlockError,
 )
+from qps.queues import delete_queue
 
 I64 = np.int64
 I32 = np.int32
@@ -59,7 +69,7 @@ TURNS = 5  # event-loop turns given to calls that must stay pending before check
 
 STATEFUL = settings(
     max_examples=int(os.environ.get("QPS_STATEFUL_EXAMPLES", "200")),
-    stateful_step_count=20,
+    stateful_step_count=15,
     deadline=None,
     derandomize=True,
     database=None,
@@ -332,6 +342,7 @@ def fake_clients(k: int) -> list[transport.Client]:
 
 class QueueMachine(RuleBasedStateMachine):
     KIND = ""
+    URL: str | None = None  # a real server's URL; None: a fresh fakeredis server per example
 
     def __init__(self) -> None:
         super().__init__()
@@ -357,13 +368,17 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             min_after = 0
         self.model = Model(self.KIND, cap, min_after)
-        self.clients = fake_clients(nclients)
+        if self.URL is None:
+            self.clients = fake_clients(nclients)
+        else:
+            url = self.URL
+            self.clients = [self.run(transport.connect(url)) for _ in range(nclients)]
         self.queues = [self.make_queue(c, cap, min_after, seed) for c in self.clients]
         self.log.append(f"queue {self.KIND} cap={cap} min_after={min_after} clients={nclients}")
         self.run(self.check_snapshot())
 
     def make_queue(self, c: transport.Client, cap: int, min_after: int, seed: int) -> qps.QueueBase:
-        name = "sm"
+        name = "sm" if self.URL is None else f"sm-{id(self):x}-{self.KIND}"  # fresh per example
         if self.KIND == "fifo":
             return qps.FIFOQueue(cap, I64, shapes=[[]], shared_name=name, client=c)
         if self.KIND == "shuffle":
@@ -386,6 +401,9 @@ class QueueMachine(RuleBasedStateMachine):
         for a in self.waiting():
             assert a.task is not None
             a.task.cancel()
+        if self.URL is not None and self.queues:
+            with contextlib.suppress(Exception):
+                await delete_queue(self.clients[0], self.queues[0].name)
         for c in self.clients:
             await c.close()
         # fakeredis keeps a cancelled BLPOP running until its block ends: stop them all
@@ -680,3 +698,14 @@ TestPaddingStateful = PaddingMachine.TestCase
 TestPaddingStateful.settings = STATEFUL
 TestPriorityStateful = PriorityMachine.TestCase
 TestPriorityStateful.settings = STATEFUL
+
+
+@pytest.mark.parametrize(
+    "machine", [FIFOMachine, ShuffleMachine, PaddingMachine, PriorityMachine], ids=lambda m: m.KIND
+)
+def test_stateful_real_server(redis_url: str, machine: type[QueueMachine]) -> None:
+    """The same machines against a real server (its lean connections and pipelined
+    waits, which fakeredis does not have), fewer examples."""
+    real = type(f"Real{machine.__name__}", (machine,), {"URL": redis_url})
+    n = max(1, int(os.environ.get("QPS_STATEFUL_EXAMPLES", "200")) // 8)
+    run_state_machine_as_test(real, settings=settings(STATEFUL, max_examples=n))
