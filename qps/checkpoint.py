@@ -593,7 +593,13 @@ def load(directory: str | os.PathLike[str]) -> Checkpoint:
 
             values[n] = get(v["value"], f"variable '{n}'")
             slots[n] = {s: get(k, f"slot '{s}' of '{n}'") for s, k in v["slots"].items()}
-    except (KeyError, TypeError) as exc:
+            int(v["token"]), int(v["version"])  # what restore reads, checked before it writes
+            if slots[n] and int(v["version"]) > 0:
+                int(v["t"])
+        for cv in m["counters"].values():
+            int(cv["value"]), list(cv["applied"] or [])
+        dict(m["placement"] or {}), dict(m["config"] or {})
+    except (KeyError, TypeError, ValueError) as exc:
         raise DataLossError(f"checkpoint {path}: bad manifest: {exc!r}") from exc
     finally:
         for f in opened.values():

@@ -44,6 +44,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from importlib import resources
@@ -148,8 +149,13 @@ class _Script:
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
 
 
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and messages)."""
+    """``url`` with any password replaced by ``***`` (for logs and messages): the one
+    in ``user:password@`` and a ``password=`` query parameter (redis-py reads both)."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     if "@" not in url or "://" not in url:
         return url
     scheme, rest = url.split("://", 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -717,3 +718,66 @@ def test_fuzz_decode_rows_returns_none_or_valid(blob: bytes) -> None:
         ref = wire.decode(blob).arrays
         np.testing.assert_array_equal(out[0][1], ref[0])
         np.testing.assert_array_equal(out[1][1], ref[1])
+
+
+# --------------------------------------------------------------------------- allocation bound
+# decode makes zero-copy views: whatever the bytes say, it allocates only the header copy
+# and what parsing that header takes, never the size the header declares.
+
+
+def _peak_while(fn: Any) -> tuple[Any, int]:
+    """``fn()``'s result (or its DataLossError) and the peak bytes traced while it ran."""
+    wire.decode(_SEEDS[0])  # first-call costs (imports, caches) are not the input's
+    tracemalloc.start()
+    try:
+        try:
+            out: Any = fn()
+        except DataLossError as exc:
+            out = exc
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+#: what decoding a header of a few hundred bytes may allocate (parsed objects, the cache)
+_HEADER_ALLOC = 256 << 10
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=_mutated(), limit=st.integers(0, 400))
+def test_fuzz_mutated_messages_respect_the_limit_and_allocate_little(
+    data: bytes, limit: int
+) -> None:
+    out, peak = _peak_while(lambda: wire.decode(data, max_bytes=limit))
+    assert peak < _HEADER_ALLOC + 64 * len(data), (peak, len(data))
+    if isinstance(out, DataLossError):
+        return
+    assert len(data) <= limit  # a message that decodes declared exactly its length
+    whole = np.frombuffer(data, np.uint8)
+    assert all(a.size == 0 or np.shares_memory(a, whole) for a in out.arrays)
+    assert sum(a.nbytes for a in out.arrays) <= len(data)
+
+
+_huge_dims = st.lists(
+    st.one_of(st.integers(0, 8), st.integers(2**20, 2**64 - 1)), min_size=0, max_size=6
+)
+_codes = st.sampled_from([*ALL_CODES, "S1", "S7", "S2147483647", "S9999999999", "S0"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    comps=st.lists(st.tuples(_codes, _huge_dims), min_size=1, max_size=3),
+    body=st.integers(0, 64),
+    limit=st.sampled_from([64, 2**20, wire.MAX_MESSAGE_BYTES]),
+)
+def test_fuzz_huge_declared_shapes_are_refused_before_allocation(
+    comps: list[tuple[str, list[int]]], body: int, limit: int
+) -> None:
+    data = _craft([[[c, d] for c, d in comps], None], b"\0" * body)
+    out, peak = _peak_while(lambda: wire.decode(data, max_bytes=limit))
+    assert peak < _HEADER_ALLOC, peak
+    if not isinstance(out, DataLossError):
+        # only a message whose arrays fit in the bytes given decodes (empty ones may
+        # declare any shape)
+        assert len(data) <= limit
+        assert sum(a.nbytes for a in out.arrays) <= body

@@ -203,7 +203,10 @@ async def connected(url: str | None) -> AsyncIterator[Client]:
         client = await connect(url)
     except QpsError:
         raise
-    except ValueError as exc:  # redis-py rejects the URL itself (scheme, port, ...)
+    # redis-py rejects the URL itself (scheme, port, ...); a query part with an option it
+    # does not know (e.g. '?=' in an unquoted password) reaches its connection as a
+    # keyword argument and fails there with TypeError
+    except (ValueError, TypeError) as exc:
         shown = redact_url(url) if url else "(none)"
         raise CliError(f"invalid Redis URL {shown}: {exc}", EXIT_USAGE) from exc
     remember_url(client.url)
