@@ -447,7 +447,10 @@ class PartitionedVariable:
         Raises:
             InvalidArgumentError: a part exists with another dtype, shape or place.
         """
-        await asyncio.gather(*(p.create() for p in self._parts))
+        done = await asyncio.gather(*(p.create() for p in self._parts), return_exceptions=True)
+        for outcome in done:  # the first failing part in order, whichever failed first
+            if isinstance(outcome, BaseException):
+                raise outcome
         return self
 
     async def read(self) -> PartitionedValue:
