@@ -201,6 +201,7 @@ def _summary(samples: list[dict[str, Any]], rate_key: str, warm: float) -> dict[
             }
     redis = [s["redis_mib"] for s in after]
     return {
+        "rates": [round(r, 1) for r in rates],
         "intervals": len(rates),
         "rate_first_third": round(first, 1),
         "rate_last_third": round(last, 1),

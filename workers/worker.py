@@ -38,6 +38,7 @@ examples/s, staleness, and the chief's test accuracy at each log point).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -146,6 +147,10 @@ class WorkerConfig:
         return f"worker{self.index}"
 
 
+#: losses a WorkerResult keeps (the most recent)
+LOSS_WINDOW = 1000
+
+
 @dataclass
 class WorkerResult:
     """What one worker did."""
@@ -161,7 +166,10 @@ class WorkerResult:
     waited_ms: int = 0  # time spent waiting on slower workers (SSP)
     started_at: float = 0.0  # wall clock (time.time()) of the first step
     ended_at: float = 0.0  # and of the end of the last one
-    losses: list[float] = field(default_factory=list)
+    #: the last LOSS_WINDOW losses (bounded: a long run must not grow the worker)
+    losses: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LOSS_WINDOW)
+    )
 
     @property
     def examples_per_second(self) -> float:
