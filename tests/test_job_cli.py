@@ -170,6 +170,24 @@ def _qps(*args: str) -> list[str]:
     return [sys.executable, "-m", "qps.cli.main", *args]
 
 
+def _wait_training(url: str, c: str, train: subprocess.Popen[str], workers: int = 2) -> None:
+    """Until every worker of the job in container ``c`` (run by ``train``) has trained
+    10 steps; fails if ``train`` exits first or after 120 s."""
+
+    async def training(cl: qps.Client) -> bool:
+        try:
+            snap = await monitor.snapshot(cl, c)
+        except NotFoundError:
+            return False
+        return len(snap.workers) == workers and all(w.step >= 10 for w in snap.workers)
+
+    end = time.monotonic() + 120
+    while not _run(url, training):
+        assert train.poll() is None, train.communicate()[1][-3000:]
+        assert time.monotonic() < end, "the job did not start training"
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(240)
 def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
     """`qps train` (1 shard, 2 workers, a million steps each) on the test server; once
@@ -201,19 +219,7 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
         env=env,
     )
     try:
-
-        async def training(cl: qps.Client) -> bool:
-            try:
-                snap = await monitor.snapshot(cl, c)
-            except NotFoundError:
-                return False
-            return len(snap.workers) == 2 and all(w.step >= 10 for w in snap.workers)
-
-        end = time.monotonic() + 120
-        while not _run(redis_url, training):
-            assert train.poll() is None, train.communicate()[1][-3000:]
-            assert time.monotonic() < end, "the job did not start training"
-            time.sleep(0.2)
+        _wait_training(redis_url, c, train)
 
         top = subprocess.run(
             _qps(
@@ -344,19 +350,7 @@ def test_one_command_answers_on_a_real_job(redis_url: str) -> None:
         return {w["name"]: w["step"] for w in d["workers"]}
 
     try:
-
-        async def training(cl: qps.Client) -> bool:
-            try:
-                snap = await monitor.snapshot(cl, c)
-            except NotFoundError:
-                return False
-            return len(snap.workers) == 2 and all(w.step >= 10 for w in snap.workers)
-
-        end = time.monotonic() + 120
-        while not _run(redis_url, training):
-            assert train.poll() is None, train.communicate()[1][-3000:]
-            assert time.monotonic() < end, "the job did not start training"
-            time.sleep(0.2)
+        _wait_training(redis_url, c, train)
         slow = _children_with(train.pid, "worker --index 1 ")
         assert len(slow) == 1, slow
         os.kill(slow[0], signal.SIGSTOP)
