@@ -261,6 +261,13 @@ class QueueBase:
         assert self._client is not None
         await delete_queue(self._client, self._name, self._container)
 
+    def _gone(self) -> NotFoundError:
+        """The error for a script's ``'gone'`` reply: the queue's keys were deleted."""
+        return NotFoundError(
+            f"{self._spec.class_name} '{self._name}' no longer exists in container "
+            f"'{self._container}' (was it reset?)"
+        )
+
     # -- input checking -----------------------------------------------------------
     def _components(self, vals: Any) -> list[Any]:
         names = self._spec.names
@@ -593,10 +600,7 @@ class QueueBase:
             verb = "Dequeue" if what == "dequeue" else "Enqueue"
             raise CancelledError(f"{verb} operation was cancelled")
         if status == b"gone":
-            raise NotFoundError(
-                f"{self._spec.class_name} '{self._name}' no longer exists in container "
-                f"'{self._container}' (was it reset?)"
-            )
+            raise self._gone()
         if status == b"expired":
             raise AbortedError(
                 f"the {what} attempt on '{self._name}' was taken for dead (its lease of "
@@ -906,10 +910,7 @@ class QueueBase:
         """Run ack/nack/touch for ``tokens``; return those whose lease had run out."""
         reply = await client.run_script(script, self._skeys, [" ".join([str(LEASE_MS), *tokens])])
         if reply[0] == b"gone":
-            raise NotFoundError(
-                f"{self._spec.class_name} '{self._name}' no longer exists in container "
-                f"'{self._container}' (was it reset?)"
-            )
+            raise self._gone()
         return [t.decode() for t in reply[1:]] if reply[0] == b"expired" else []
 
     async def _give_back(self, client: Client, elements: list[list[np.ndarray]]) -> None:
@@ -1100,10 +1101,7 @@ class QueueBase:
     async def _reclaim(self, op: str) -> list[Any]:
         reply = await (await self._c()).run_script("reclaim", self._skeys, [f"{LEASE_MS} {op}"])
         if reply[0] == b"gone":
-            raise NotFoundError(
-                f"{self._spec.class_name} '{self._name}' no longer exists in container "
-                f"'{self._container}' (was it reset?)"
-            )
+            raise self._gone()
         return list(reply)
 
     # -- close / state ------------------------------------------------------------
