@@ -570,7 +570,10 @@ def _live_url(state: dict[str, Any], timeout: float) -> str | None:
 
 
 def ensure_local_server(
-    run_dir: str | os.PathLike[str] | None = None, *, timeout: float = 10.0
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    timeout: float = 10.0,
+    detach: bool = False,
 ) -> tuple[str, EmbeddedServer | None]:
     """The URL of the server shared by the processes of one local run.
 
@@ -580,6 +583,9 @@ def ensure_local_server(
     should ``server.stop()`` it; an :mod:`atexit` hook stops it when the owner process
     exits in any case. An exclusive lock on ``<run_dir>/lock`` makes concurrent callers
     share one server. Stale state (a dead pid, a leftover socket) is cleaned up.
+
+    ``detach``: a server this call starts outlives the caller (no :mod:`atexit` hook, not
+    owned); stop it with :func:`stop_local_server` (``qps server start``).
     """
     directory = default_run_dir() if run_dir is None else os.path.abspath(os.fspath(run_dir))
     _prepare_run_dir(directory)
@@ -592,10 +598,11 @@ def ensure_local_server(
                 if url is not None:
                     return url, None
                 _unlink_quietly(os.path.join(directory, STATE_NAME))
-            server = EmbeddedServer(directory)
+            server = EmbeddedServer(directory, stop_at_exit=not detach)
             server.start(timeout)
-            with _owned_lock:
-                _owned[directory] = server
+            if not detach:
+                with _owned_lock:
+                    _owned[directory] = server
             return server.url, server
         finally:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)

@@ -10,7 +10,6 @@ is fsynced first).
 
 from __future__ import annotations
 
-import fcntl
 import os
 from typing import Any
 
@@ -75,18 +74,8 @@ def start(run_dir: str | None, timeout: float, json: bool) -> None:
     running already, this says so and exits 0.
     """
     directory = os.path.abspath(run_dir) if run_dir else embedded.default_run_dir()
-    embedded._prepare_run_dir(directory)
-    with open(os.path.join(directory, embedded.LOCK_NAME), "a") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            before = _status(directory)
-            started = False
-            if not before["running"]:
-                srv = embedded.EmbeddedServer(directory, stop_at_exit=False)
-                srv.start(timeout)
-                started = True
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+    _, srv = embedded.ensure_local_server(directory, timeout=timeout, detach=True)
+    started = srv is not None
     st = _status(directory)
     if not st["running"]:
         raise CliError(f"the server in {directory} stopped right after it started; see {st['log']}")
