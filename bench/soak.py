@@ -27,26 +27,18 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "soak"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float | None:
@@ -72,53 +64,6 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
-
-
-class Server:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="qps-soak-")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            from qps.embedded import find_server_binary
-
-            binary = find_server_binary()[0]
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                self.dir,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--logfile",
-                os.path.join(self.dir, "log"),
-            ],
-            stdin=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- queue roles ----------------------------------------------------------------------------
@@ -217,7 +162,7 @@ def _summary(samples: list[dict[str, Any]], rate_key: str, warm: float) -> dict[
     }
 
 
-async def soak_queues(a: argparse.Namespace, server: Server) -> dict[str, Any]:
+async def soak_queues(a: argparse.Namespace, server: harness.BenchServer) -> dict[str, Any]:
     import qps
 
     client = await qps.connect(server.url)
@@ -303,7 +248,7 @@ async def soak_queues(a: argparse.Namespace, server: Server) -> dict[str, Any]:
     }
 
 
-async def soak_train(a: argparse.Namespace, server: Server) -> dict[str, Any]:
+async def soak_train(a: argparse.Namespace, server: harness.BenchServer) -> dict[str, Any]:
     import qps
     from qps.ps import control
 
@@ -425,7 +370,7 @@ def main() -> None:
         return
     if a.kind is None:
         p.error("say which soak: queues or train")
-    server = Server()
+    server = harness.BenchServer().start()
     try:
         run = soak_queues if a.kind == "queues" else soak_train
         result = asyncio.run(run(a, server))
