@@ -434,7 +434,7 @@ def close_command(
 DRAIN_BATCH = 500
 
 
-def _components(element: Any, n: int) -> list[np.ndarray]:
+def _components(element: Any) -> list[np.ndarray]:
     """An element (or a batch) as returned by a dequeue, as its list of components."""
     if isinstance(element, dict):
         return [np.asarray(v) for v in element.values()]
@@ -480,10 +480,10 @@ async def _drain(
                 want = DRAIN_BATCH if limit is None else min(DRAIN_BATCH, limit - taken)
                 try:
                     if batched:
-                        got = _components(await q.dequeue_up_to_nowait(want), ncomp)
+                        got = _components(await q.dequeue_up_to_nowait(want))
                         count = len(got[0])
                     else:
-                        got = [c[None] for c in _components(await q.dequeue_nowait(), ncomp)]
+                        got = [c[None] for c in _components(await q.dequeue_nowait())]
                         count = 1
                 except WouldBlockError:
                     stopped = "would block" if await q.size() else "empty"
