@@ -138,6 +138,14 @@ def container_counters(container: str) -> str:
     return container_registry(container, "c")
 
 
+def feed_prefix(container: str, queue: str) -> str:
+    """The prefix of the keys of the feed into queue ``queue`` (``qps feed``): ``state``
+    (a hash: the feed's dataset fingerprint, seed, epochs and where its count of inserted
+    elements starts), ``owner`` (the lease of the feeder running it) and ``wake`` (pushed
+    when that lease is released)."""
+    return resource_prefix(container, "f", queue)
+
+
 def variable_prefix(container: str, name: str) -> str:
     """The prefix of every key of variable ``name`` in ``container`` (ends with ':')."""
     return resource_prefix(container, "v", name)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
@@ -234,6 +236,122 @@ async def test_feed_stop_with_close_on_stop(client: qps.Client) -> None:
     assert result.stopped and result.closed
     s = await queue_stats(client, "input", "default")
     assert s.closed and s.size == 4
+
+
+def _per_epoch(got: list[int], n: int, epochs: int) -> None:
+    assert len(got) == n * epochs, len(got)
+    for e in range(epochs):  # every example once per epoch, epochs in order (FIFO)
+        assert sorted(got[e * n : (e + 1) * n]) == list(range(n)), e
+
+
+async def _counters(c: qps.Client, queue: str = "input") -> tuple[int, int]:
+    ex, ep = counter_names(queue)
+    return await qps.Counter(ex, client=c).get(), await qps.Counter(ep, client=c).get()
+
+
+async def _stop_blocked(client: qps.Client, opts: FeedOptions, data: Dataset) -> Any:
+    """Run a feed until its enqueue waits for room in the full queue, then stop it."""
+    coord = Coordinator()
+    task = asyncio.create_task(feed(client, data, opts, coord))
+    await until(lambda: _blocked(client))
+    coord.request_stop()
+    return await task
+
+
+async def test_a_stopped_feed_is_resumed_where_it_stopped(make_client: Any) -> None:
+    """A feed stopped while its enqueue waited (a prefix of the chunk stored, the rest
+    undone) is resumed by the next feeder given the same data and options, with no seed
+    given (the first drew one and recorded it): every example once per epoch, and the
+    counters count what the stopped run stored without counting it."""
+    c1, c2 = await make_client(), await make_client()
+    data = small(10)
+    opts = FeedOptions(queue="input", epochs=3, batch_size=3, capacity=4)
+    first = await _stop_blocked(c1, opts, data)
+    assert first.stopped and not first.closed and first.examples == 3  # + 1 uncounted
+    q = qps.FIFOQueue(4, [np.float32, np.int64], [[3], []], shared_name="input", client=c2)
+    consumer = asyncio.create_task(_consume(q))
+    second = await feed(c1, data, opts)
+    got = await consumer
+    assert second.closed and not second.stopped
+    assert second.examples == 26 and second.epochs == 3
+    _per_epoch(got, 10, 3)
+    assert got[:10] != list(range(10))  # shuffled, with the seed of the first run
+    assert await _counters(c2) == (30, 3)
+
+
+async def test_a_resumed_feed_must_have_the_same_data_and_options(client: qps.Client) -> None:
+    data = small(10)
+    opts = FeedOptions(queue="input", epochs=3, batch_size=3, capacity=4, seed=1)
+    await _stop_blocked(client, opts, data)
+    for other, what in [
+        ((small(11), opts), "fingerprint"),
+        ((data, FeedOptions(queue="input", epochs=2, capacity=4, seed=1)), "epochs"),
+        ((data, FeedOptions(queue="input", epochs=3, capacity=4, seed=2)), "seed"),
+        (
+            (data, FeedOptions(queue="input", epochs=3, capacity=4, seed=1, shuffle=False)),
+            "shuffle",
+        ),
+    ]:
+        with pytest.raises(FailedPreconditionError, match=f"{what}.*--fresh"):
+            await feed(client, *other)
+    # --fresh starts a new feed after what the stopped one stored
+    q = qps.FIFOQueue(4, [np.float32, np.int64], [[3], []], shared_name="input", client=client)
+    consumer = asyncio.create_task(_consume(q))
+    fresh = FeedOptions(queue="input", epochs=1, batch_size=3, capacity=4, fresh=True)
+    r = await feed(client, small(5), fresh)
+    got = await consumer
+    assert r.closed and r.examples == 5
+    assert sorted(got[:4]) == [0, 1, 2, 3] or len(got) == 9  # the stopped run's 4, then 5
+    assert len(got) == 9 and sorted(got[4:]) == list(range(5))
+
+
+async def test_a_complete_feed_is_not_fed_again(make_client: Any) -> None:
+    c1, c2 = await make_client(), await make_client()
+    opts = FeedOptions(queue="input", epochs=2, batch_size=4, capacity=4)
+    q = qps.FIFOQueue(4, [np.float32, np.int64], [[3], []], shared_name="input", client=c2)
+    consumer = asyncio.create_task(_consume(q))
+    assert (await feed(c1, small(6), opts)).closed
+    _per_epoch(await consumer, 6, 2)
+    again = await feed(c1, small(6), opts)  # e.g. a feeder restarted after it finished
+    assert again.closed and again.examples == 0 and not again.stopped
+    s = await queue_stats(c2, "input", "default")
+    assert s.enqueued_total == 12 and s.size == 0
+    assert await _counters(c2) == (12, 2)
+
+
+async def test_a_feed_held_by_a_dead_process_is_taken_over_at_once(
+    client: qps.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease of a feeder that died on this host is taken at once; one held by a live
+    process is waited for (a stop ends the wait, nothing fed)."""
+    import socket
+
+    from qps import keys
+    from qps.owners import pid_namespace
+
+    owner_key = keys.feed_prefix("default", "input") + "owner"
+    host, ns = socket.gethostname(), pid_namespace()
+    await client.commands.set(owner_key, f"{host}:{os.getppid()}:live00:{ns}", px=60_000)
+    coord = Coordinator()
+    opts = FeedOptions(queue="input", epochs=1, batch_size=4, capacity=8)
+    task = asyncio.create_task(feed(client, small(6), opts, coord))
+    caplog.set_level(logging.INFO, "qps.feed")
+
+    async def waiting() -> bool:
+        return "live00" in caplog.text and "waiting until it ends" in caplog.text
+
+    await until(waiting)
+    coord.request_stop()
+    r = await task
+    assert r.stopped and r.examples == 0
+    with contextlib.suppress(NotFoundError):  # the queue may not even exist yet
+        assert (await queue_stats(client, "input", "default")).enqueued_total == 0
+    p = subprocess.Popen(["true"])
+    p.wait()
+    await client.commands.set(owner_key, f"{host}:{p.pid}:dead00:{ns}", px=60_000)
+    r = await feed(client, small(6), opts)
+    assert r.closed and r.examples == 6
+    assert not await client.commands.exists(owner_key)  # released
 
 
 async def _blocked(client: qps.Client) -> bool:

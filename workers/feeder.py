@@ -20,15 +20,28 @@ on SIGTERM and Ctrl-C) ends the feed between two chunks, or interrupts an enqueu
 waits for room: the queue stays consistent (an interrupted ``enqueue_many`` keeps the
 prefix it had stored, which the counter then misses) and open, unless
 ``close_on_stop``.
+
+A feed survives its feeder. One feeder at a time runs the feed into a queue: it holds a
+lease (``FEED_LEASE_MS``, renewed in the background and before each chunk); another
+feeder waits for it, blocked in Redis, or takes it over at once from a dead process of
+this host. The feed's state in Redis records a digest of the data, the options, the seed
+(drawn when none is given) and the queue's count of inserted elements when the feed
+began. The queue counts every insert in the script that makes it, so a feeder that
+takes over an unfinished feed knows exactly how far it got: it undoes the dead feeder's
+waiting enqueue (whose rest would otherwise slip in later), reads the count and goes on
+after it, in the same permutations. Every example goes in exactly once per epoch
+however often feeders die.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import logging
 import os
+import secrets
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,15 +52,18 @@ from qps import keys
 from qps import metrics as _metrics
 from qps.containers import Counter
 from qps.errors import (
+    AbortedError,
     CancelledError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    QpsError,
 )
+from qps.owners import default_owner, owner_is_dead
 from qps.queues import FIFOQueue, QueueBase, RandomShuffleQueue
 from qps.queues.spec import format_shape
 from qps.session import Session
-from qps.transport import Client
+from qps.transport import BLOCK_SECONDS, Client, map_errors
 from workers.input import Coordinator
 
 __all__ = [
@@ -238,6 +254,8 @@ class FeedOptions:
         container: the resource container.
         close_on_stop: on a stop request, close the queue (cancelling pending enqueues)
             so consumers drain it; by default the queue is left open.
+        fresh: start a new feed even if an earlier one into the queue did not end
+            (by default it is resumed).
     """
 
     queue: str = "input"
@@ -249,6 +267,7 @@ class FeedOptions:
     min_after_dequeue: int | None = None
     container: str = keys.DEFAULT_CONTAINER
     close_on_stop: bool = False
+    fresh: bool = False
 
     def check(self) -> None:
         """Raises InvalidArgumentError for an invalid combination."""
@@ -370,6 +389,214 @@ async def _until_stop(aw: Awaitable[T], coord: Coordinator) -> tuple[bool, T | N
     return False, None
 
 
+#: How long a feeder's lease on its feed lasts unless renewed (a third of it).
+FEED_LEASE_MS = 10_000
+
+#: The feed lease: KEYS owner, wake; ARGV op, owner, ms[, held]. 'take' takes a free
+#: lease (or renews our own), 'takeover' takes it from ``held`` (a dead process), 'renew'
+#: renews ours, 'release' drops ours and wakes a standby. A refused op returns
+#: {'held', owner, pttl} ('lost' for 'renew').
+_LEASE = """
+local cur = redis.call('GET', KEYS[1])
+local op = ARGV[1]
+if op == 'take' or op == 'takeover' then
+  if (not cur) or cur == ARGV[2] or (op == 'takeover' and cur == ARGV[4]) then
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+    return {'ok'}
+  end
+  return {'held', cur, redis.call('PTTL', KEYS[1])}
+elseif op == 'renew' then
+  if cur ~= ARGV[2] then return {'lost', cur or ''} end
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'ok'}
+end
+if cur == ARGV[2] then
+  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[2])
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return {'ok'}
+"""
+
+
+def fingerprint(data: Dataset) -> str:
+    """A short digest of a dataset: its length, its components' dtypes and shapes, and
+    the bytes of up to its first 16 MiB per component. A resumed feed must be fed the
+    same data."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(str([(str(a.dtype), a.shape) for a in data.arrays]).encode())
+    for a in data.arrays:
+        flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+        h.update(flat[: 16 << 20].tobytes())
+    return h.hexdigest()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class _Lease:
+    """The feeder's lease on the feed into one queue: one feeder at a time feeds it."""
+
+    def __init__(self, client: Client, container: str, queue: str, owner: str) -> None:
+        prefix = keys.feed_prefix(container, queue)
+        self.keys = [prefix + "owner", prefix + "wake"]
+        self.client, self.owner, self.queue = client, owner, queue
+        self.script = client.commands.register_script(_LEASE)
+        self.lost: str | None = None  # who took it from us
+        self.predecessor = ""  # the dead owner we took it from
+
+    async def _call(self, *args: Any) -> list[Any]:
+        with map_errors():
+            return list(await self.script(keys=self.keys, args=list(args)))
+
+    async def acquire(self, coord: Coordinator) -> bool:
+        """Take the lease, taking it over at once from a dead process of this host,
+        else waiting (blocked in Redis) until it is released or runs out; False if a stop
+        is requested first."""
+        announced = False
+        while not coord.should_stop():
+            reply = await self._call("take", self.owner, FEED_LEASE_MS)
+            if reply[0] == b"ok":
+                return True
+            held, pttl = _text(reply[1]), int(reply[2])
+            if owner_is_dead(held):
+                reply = await self._call("takeover", self.owner, FEED_LEASE_MS, held)
+                if reply[0] == b"ok":
+                    self.predecessor = held
+                    log.info(
+                        "took over the feed into '%s' from %s, a dead process", self.queue, held
+                    )
+                    return True
+                continue
+            if not announced:
+                log.info(
+                    "the feed into '%s' is run by %s: waiting until it ends or its lease "
+                    "(%d ms left) runs out",
+                    self.queue,
+                    held,
+                    pttl,
+                )
+                announced = True
+            wait = min(max(pttl, 10) / 1000.0, BLOCK_SECONDS)
+            await _until_stop(self.client.blocking.blpop([self.keys[1]], wait), coord)
+        return False
+
+    async def check(self) -> None:
+        """Renew the lease; raises AbortedError if another feeder took it."""
+        if self.lost is None:
+            reply = await self._call("renew", self.owner, FEED_LEASE_MS)
+            if reply[0] != b"ok":
+                self.lost = _text(reply[1]) or "nobody (it ran out)"
+        if self.lost is not None:
+            raise AbortedError(
+                f"the feed into '{self.queue}' was taken over by {self.lost} while this "
+                "feeder stalled: stopping (the new feeder goes on where it is)"
+            )
+
+    async def renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FEED_LEASE_MS / 3000.0)
+            try:
+                await self.check()
+            except AbortedError as exc:
+                log.error("%s", exc)
+                return
+            except QpsError as exc:
+                log.warning("could not renew the feed lease: %s", exc)
+
+    async def release(self) -> None:
+        with contextlib.suppress(QpsError):
+            await self._call("release", self.owner, FEED_LEASE_MS)
+
+
+@dataclass
+class _Plan:
+    """Where a feed starts: ``start`` elements of ``n * epochs`` already inserted."""
+
+    seed: int
+    start: int
+    resumed: bool
+    done: bool
+
+
+async def _plan(
+    client: Client,
+    queue: QueueBase,
+    data: Dataset,
+    options: FeedOptions,
+    counters: tuple[Counter, Counter],
+) -> _Plan:
+    """Read (or create) the feed's state: a new feed records the queue's count of
+    inserted elements as its base; a resumed one undoes its dead predecessor's waiting
+    enqueues and counts what got in since the base."""
+    state_key = keys.feed_prefix(options.container, options.queue) + "state"
+    with map_errors():
+        raw = await client.commands.hgetall(state_key)
+    st = {_text(k): _text(v) for k, v in raw.items()}
+    n, fp = len(data), fingerprint(data)
+    stats = await queue.stats()
+    if st and not options.fresh:
+        want = {
+            "fingerprint": fp,
+            "epochs": str(options.epochs),
+            "shuffle": str(int(options.shuffle)),
+        }
+        if options.seed is not None:
+            want["seed"] = str(options.seed)
+        diff = [f"{k} {st.get(k)} (this feed: {v})" for k, v in want.items() if st.get(k) != v]
+        if diff:
+            raise FailedPreconditionError(
+                f"an earlier feed into queue '{options.queue}' (container "
+                f"'{options.container}') differs: " + "; ".join(diff) + ". Feed the same "
+                "data and options to resume it, or pass --fresh to start a new feed"
+            )
+        if st.get("done") == "1":
+            return _Plan(int(st["seed"]), n * options.epochs, True, True)
+        old = st.get("client", "")
+        if old and old != client.client_id:
+            undone = await queue.abort_enqueues_of(old)
+            if undone:
+                log.info("undid %d waiting enqueue(s) of the previous feeder", undone)
+            stats = await queue.stats()
+        start = stats.enqueued_total - int(st["base"])
+        total = n * options.epochs
+        if not 0 <= start <= total:
+            raise FailedPreconditionError(
+                f"queue '{options.queue}' counts {start} element(s) inserted since the earlier "
+                f"feed began, not 0 to {total}: another producer used it, or it was "
+                "recreated. Pass --fresh to start a new feed"
+            )
+        examples, epochs = counters
+        # what a killed run inserted but did not count
+        for counter, field_, value in ((examples, "ex0", start), (epochs, "ep0", start // n)):
+            missing = int(st.get(field_, 0)) + value - await counter.get()
+            if missing > 0:
+                await counter.add(missing)
+        with map_errors():
+            await client.commands.hset(state_key, "client", client.client_id)
+        return _Plan(int(st["seed"]), start, True, False)
+    seed = options.seed if options.seed is not None else secrets.randbits(63)
+    examples, epochs = counters
+    fields: dict[Any, Any] = {
+        "fingerprint": fp,
+        "n": n,
+        "epochs": options.epochs,
+        "shuffle": int(options.shuffle),
+        "seed": seed,
+        "base": stats.enqueued_total,
+        "client": client.client_id,
+        "ex0": await examples.get(),
+        "ep0": await epochs.get(),
+        "done": 0,
+    }
+    with map_errors():
+        await client.commands.delete(state_key)
+        await client.commands.hset(state_key, mapping=fields)
+    return _Plan(seed, 0, False, False)
+
+
 async def feed(
     client: Client,
     data: Dataset,
@@ -385,9 +612,17 @@ async def feed(
     epochs and the queue's size go to ``metrics`` (default: the process's); the size is
     read after each chunk only while that registry is served (one more round trip).
 
+    One feeder at a time runs the feed into a queue (a lease in Redis); another waits
+    until it ends. A feed that did not end (a killed or stopped feeder) is resumed where
+    it stopped by the next feeder given the same data and options: each example still
+    goes in exactly once per epoch (see the module doc).
+
     Raises:
         InvalidArgumentError: bad options, or data that does not fit the existing queue.
+        FailedPreconditionError: an unfinished earlier feed into the queue had other
+            data or options (``fresh`` starts a new one).
         CancelledError: the queue was closed by someone else while feeding.
+        AbortedError: another feeder took the feed over while this one stalled.
     """
     options.check()
     coord = coord or Coordinator()
@@ -405,22 +640,68 @@ async def feed(
         kind=queue.spec.class_name,
         counters={"examples": ex_name, "epochs": ep_name},
     )
+    lease = _Lease(client, options.container, options.queue, default_owner())
+    if not await lease.acquire(coord):
+        result.stopped = True
+        return result
+    renew = asyncio.ensure_future(lease.renew_loop())
+    try:
+        plan = await _plan(client, queue, data, options, (examples, epochs))
+        if plan.done:
+            result.closed = True
+            log.info("the feed into '%s' is complete already: nothing to do", queue.name)
+            return result
+        await _feed(
+            queue, data, options, coord, plan, lease, result, (examples, epochs), m, registry
+        )
+        if result.closed:
+            with map_errors():
+                await client.commands.hset(
+                    keys.feed_prefix(options.container, options.queue) + "state", "done", 1
+                )
+        return result
+    finally:
+        renew.cancel()
+        await asyncio.gather(renew, return_exceptions=True)
+        await lease.release()
+
+
+async def _feed(
+    queue: QueueBase,
+    data: Dataset,
+    options: FeedOptions,
+    coord: Coordinator,
+    plan: _Plan,
+    lease: _Lease,
+    result: FeedResult,
+    counters: tuple[Counter, Counter],
+    m: Any,
+    registry: _metrics.Metrics,
+) -> None:
+    examples, epochs = counters
     n = len(data)
+    first_epoch, offset = divmod(plan.start, n)
     log.info(
-        "feeding %s, %d epoch(s), into %s '%s' (container '%s', capacity %d)",
+        "%s %s, %d epoch(s), into %s '%s' (container '%s', capacity %d)%s",
+        "resuming the feed of" if plan.resumed else "feeding",
         data.describe(),
         options.epochs,
         queue.spec.class_name,
         queue.name,
         options.container,
         queue.capacity,
+        f" at epoch {first_epoch + 1}, example {offset}" if plan.resumed else "",
     )
-    rng = np.random.default_rng(options.seed)
+    rng = np.random.default_rng(plan.seed)
     for epoch in range(options.epochs):
         order = rng.permutation(n) if options.shuffle else None
-        for start in range(0, n, options.batch_size):
+        if epoch < first_epoch:
+            continue  # drawn all the same: each epoch's permutation depends on the seed only
+        begin = offset if epoch == first_epoch else 0
+        for start in range(begin, n, options.batch_size):
             if coord.should_stop():
                 break
+            await lease.check()
             stop = min(start + options.batch_size, n)
             if order is None:
                 chunk = [a[start:stop] for a in data.arrays]
@@ -431,7 +712,7 @@ async def feed(
             if not done:
                 log.warning(
                     "stopped during an enqueue of %d example(s): a prefix of them may "
-                    "be stored, and is not counted",
+                    "be stored; the next feeder goes on after it",
                     stop - start,
                 )
                 break
@@ -463,9 +744,9 @@ async def feed(
             result.examples,
             result.epochs,
             queue.name,
-            "closed" if result.closed else "open",
+            "closed" if result.closed else "open (another feeder resumes the feed)",
         )
-        return result
+        return
     try:
         done, _ = await _until_stop(queue.close(), coord)
     except CancelledError:  # someone closed it after our last enqueue
@@ -480,4 +761,3 @@ async def feed(
         queue.name,
         "closed" if done else "left open (stopped while the close waited)",
     )
-    return result

@@ -135,6 +135,13 @@ async def _run(
     help="On SIGTERM/Ctrl-C also close the queue (cancelling pending enqueues) so that "
     "consumers drain it and stop; by default it is left open for another feeder.",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    default=False,
+    help="Start a new feed even if an earlier feed into the queue did not end (by default "
+    "the next feeder resumes it where it stopped).",
+)
 @url_option()
 @container_option
 @json_option
@@ -155,6 +162,7 @@ def feed_command(
     shuffle: bool,
     min_after_dequeue: int | None,
     close_on_term: bool,
+    fresh: bool,
     url: str | None,
     container: str,
     json: bool,
@@ -175,7 +183,13 @@ def feed_command(
     An element is [x[i], y[i]]. Progress is logged (epochs, examples) and counted in the
     container's counters feed/<queue>/examples and feed/<queue>/epochs (see `qps
     container stat`). SIGTERM or Ctrl-C stops enqueuing, leaves the queue consistent
-    (open unless --close-on-term) and exits 0. Options also come from QPS_FEED_<OPTION>
+    (open unless --close-on-term) and exits 0.
+
+    One feeder at a time runs the feed into a queue; another one waits until it ends.
+    A feed that did not end (the feeder was killed or stopped) is resumed by the next
+    `qps feed` with the same data and options (the seed, if none was given, was drawn
+    and recorded): every example still goes in exactly once per epoch. Rerunning a feed
+    that ended does nothing; --fresh starts a new one. Options also come from QPS_FEED_<OPTION>
     variables (QPS_FEED_EPOCHS=3). --metrics-port serves Prometheus metrics
     (docs/metrics.md).
     """
@@ -190,6 +204,7 @@ def feed_command(
         min_after_dequeue=min_after_dequeue,
         container=container,
         close_on_stop=close_on_term,
+        fresh=fresh,
     )
     try:
         options.check()

@@ -6,7 +6,24 @@
 -- For a queue with one consumer that restarted (a PS shard's gradient queue, whose new
 -- owner holds the shard's lease): what its dead predecessors held, back at once instead
 -- of when their leases run out.
+-- A 2 'enqueues', A 3 a client id: undo the waiting enqueues of that client (attempts
+-- 'e|<client>.<n>'): their not-yet-inserted elements are dropped, their inserted prefixes
+-- stay, as if their leases had run out now; returns {'ok', n}. For a producer that
+-- restarted and knows its dead predecessor's client id (a feeder resuming its feed).
 if not KIND then return {'gone'} end
+if A[2] == 'enqueues' then
+  local pre = 'e|' .. A[3] .. '.'
+  local n = 0
+  for _, e in ipairs(redis.call('ZRANGE', LEASE, 0, -1)) do
+    if string.sub(e, 1, #pre) == pre then
+      local id = undo(e)
+      redis.call('SET', akey(id, 's'), 'aborted', 'PX', RECORD_MS)
+      n = n + 1
+    end
+  end
+  flush()
+  return {'ok', n}
+end
 local held = {}
 for _, e in ipairs(redis.call('ZRANGE', LEASE, 0, -1)) do
   local t = string.sub(e, 1, 1)

@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import time
 from collections import deque
@@ -72,6 +71,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.optimizers import Adam, Optimizer
+from qps.owners import default_owner, owner_is_dead, pid_namespace
 from qps.ps import control
 from qps.ps.messages import (
     GradientMessage,
@@ -158,42 +158,16 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 """
 
 
-def _pid_namespace() -> str:
-    """This process's PID namespace (``/proc/self/ns/pid``'s inode), or ``-``."""
-    try:
-        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
-    except OSError:
-        return "-"
-
-
-def default_owner() -> str:
-    """``<host>:<pid>:<random>:<pid namespace>``: names one run of one shard process
-    (and says where its pid means something: see :func:`dead_holder`)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}:{_pid_namespace()}"
+#: kept under their old names for callers of this module
+_pid_namespace = pid_namespace
 
 
 def dead_holder(value: str) -> bool:
     """Whether the lease value ``value`` (``<token> <owner>``) names a shard process of
     this host and PID namespace that no longer exists: its lease can be taken over at
-    once instead of waiting for it to expire. False whenever that is not certain (another
-    host or namespace, an owner of another form, a pid that is alive, even if reused)."""
-    try:
-        _, owner = value.split(" ", 1)
-        host, pid_text, _, ns = owner.rsplit(":", 3)
-        pid = int(pid_text)
-    except ValueError:
-        return False
-    if host != socket.gethostname() or ns == "-" or ns != _pid_namespace() or pid <= 0:
-        return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # e.g. EPERM: it exists
-        return False
-    return False
+    once instead of waiting for it to expire (see :func:`qps.owners.owner_is_dead`)."""
+    parts = value.split(" ", 1)
+    return len(parts) == 2 and owner_is_dead(parts[1])
 
 
 @dataclass

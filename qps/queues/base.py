@@ -1098,6 +1098,23 @@ class QueueBase:
         """
         return int((await self._reclaim("undo"))[1])
 
+    async def abort_enqueues_of(self, client_id: str) -> int:
+        """Undo the enqueues of the client ``client_id`` (a :attr:`Client.client_id`
+        <qps.transport.Client.client_id>) that still wait for room, as if their leases
+        had run out now: what they had inserted stays, the rest is dropped. Returns how
+        many were undone.
+
+        Only for a producer that restarted and knows it is the only one: a feeder
+        resuming its dead predecessor's feed stops the dead run's waiting rest from
+        slipping in behind its own enqueues.
+
+        Raises:
+            InvalidArgumentError: ``client_id`` is not a client id.
+        """
+        if not client_id or not all(c in "0123456789abcdef" for c in client_id):
+            raise InvalidArgumentError(f"not a client id: {client_id!r}")
+        return int((await self._reclaim(f"enqueues {client_id}"))[1])
+
     async def _reclaim(self, op: str) -> list[Any]:
         reply = await (await self._c()).run_script("reclaim", self._skeys, [f"{LEASE_MS} {op}"])
         if reply[0] == b"gone":
