@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from qps.aio import wait_event
 from qps.errors import DeadlineExceededError, InvalidArgumentError, OutOfRangeError
 from qps.queues import FIFOQueue, PaddingFIFOQueue, QueueBase, RandomShuffleQueue
 from qps.queues.spec import STRING
@@ -150,9 +151,7 @@ class Coordinator:
         :meth:`should_stop`."""
         if self._stop.is_set():
             return True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout)
-        return self._stop.is_set()
+        return await wait_event(self._stop, timeout)
 
     def clear_stop(self) -> None:
         """Forget the stop and the recorded exception (and the join), so the coordinator
@@ -722,13 +721,10 @@ class Batcher:
         return self._runner.start(coord)
 
     async def _wait_queue(self, timeout: float | None) -> QueueBase:
-        if self._queue is None and not self._ready.is_set():
-            try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceededError(
-                    f"no example arrived to create the batch queue within {timeout} s"
-                ) from None
+        if self._queue is None and not await wait_event(self._ready, timeout):
+            raise DeadlineExceededError(
+                f"no example arrived to create the batch queue within {timeout} s"
+            ) from None
         if self._queue is None:
             raise OutOfRangeError(
                 f"'{self._shared_name or self._name}' is closed and has insufficient "

@@ -14,7 +14,6 @@ known) and exits; ``--once --json`` prints it as JSON for scripts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 
@@ -25,6 +24,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from qps.aio import wait_event
 from qps.cli import (
     EXIT_USAGE,
     CliError,
@@ -291,8 +291,7 @@ async def _live(url: str | None, container: str, interval: float) -> None:
                 await board.frame(), console=console, screen=True, auto_refresh=False
             ) as live:
                 while not stop.is_set():
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(stop.wait(), interval)
+                    await wait_event(stop, interval)
                     if not stop.is_set():
                         live.update(await board.frame(), refresh=True)
     finally:

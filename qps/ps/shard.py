@@ -45,7 +45,6 @@ changed (loaded again from their last commit) and gives the deliveries back. See
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -60,6 +59,7 @@ import numpy.typing as npt
 
 from qps import keys
 from qps import metrics as _metrics
+from qps.aio import wait_event
 from qps.containers import Counter
 from qps.errors import (
     AbortedError,
@@ -273,8 +273,7 @@ class _Inbox:
             left = end - loop.time()
             if left <= 0:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+            await wait_event(self._changed, left)
 
 
 @dataclass
@@ -1271,5 +1270,5 @@ def _raw(delivery: Delivery | None) -> bytes:
 async def _quietly(aw: Any) -> None:
     try:
         await aw
-    except (QpsError, asyncio.CancelledError) as exc:
+    except QpsError as exc:  # never a cancellation of the caller: it must go on
         log.debug("ignored: %r", exc)

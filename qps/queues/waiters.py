@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+from qps.aio import wait_event
 from qps.transport import BLOCK_SECONDS, Client, connect
 
 log = logging.getLogger("qps.queue")
@@ -31,9 +32,7 @@ class _Waiters:
             del _waiters[id(self.client)]
         for aid, (qkeys, entry, done) in list(self.blocked.items()):
             await self.client.run_script("abort", qkeys, [f"{LEASE_MS} {entry} {aid} kill"])
-            try:
-                await asyncio.wait_for(done.wait(), timeout=BLOCK_SECONDS + 2)
-            except asyncio.TimeoutError:
+            if not await wait_event(done, BLOCK_SECONDS + 2):
                 log.warning("blocked call %s did not finish after its client closed", aid)
 
 
