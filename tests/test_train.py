@@ -102,7 +102,7 @@ def test_ctrl_c_stops_every_role() -> None:
 def test_a_killed_worker_does_not_stop_async_training() -> None:
     c = _container()
     proc = _train("--ps", "1", "--workers", "3", "--steps", "400", "--json", "--container", c,
-                  "--log-every", "20")  # fmt: skip
+                  "--log-every", "20", "--restarts", "0")  # fmt: skip
     _wait_for_line(proc, "worker2: step 20,")
     victims = [p for p in _processes_of(c) if "--index 2 " in p]
     assert len(victims) == 1, _processes_of(c)
@@ -113,6 +113,44 @@ def test_a_killed_worker_does_not_stop_async_training() -> None:
     assert result["failed"] == {"worker2": -signal.SIGKILL}
     assert result["stopped"] == "finished"
     assert 800 + 20 <= result["global_step"] < 1200  # the others ran their 400 steps
+    assert result["test_metric"] == "accuracy" and result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []
+
+
+def _kill(container: str, role: str, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to the one live process of ``role`` ("ps --shard 0 ", "--index 1 ")."""
+    victims = [p for p in _processes_of(container) if role in p and "qps.cli.main train" not in p]
+    assert len(victims) == 1, (role, _processes_of(container))
+    pid = int(victims[0].split(":")[0])
+    os.kill(pid, sig)
+    return pid
+
+
+def test_killed_roles_are_started_again_and_the_digits_job_completes() -> None:
+    """The digits job under faults: a shard SIGKILLed, a worker SIGKILLed, a worker
+    SIGSTOPped for a while. The shard and the worker are started again (--restarts): the
+    shard takes its lease over at once, the worker goes on after its last published step.
+    The job ends normally, every push applied once (the global step counts shard 0's
+    applies: both workers' 1,500 steps, plus the steps the killed worker had done but not
+    published yet, which it does again), accuracy as without faults, nothing left."""
+    c = _container()
+    proc = _train("--ps", "2", "--workers", "2", "--steps", "1500", "--json", "--container", c,
+                  "--log-every", "20")  # fmt: skip
+    _wait_for_line(proc, "worker1: step 100,")
+    stopped = _kill(c, "--index 0 ", signal.SIGSTOP)
+    time.sleep(1.0)  # a straggler for a second (nothing is timed)
+    os.kill(stopped, signal.SIGCONT)
+    _kill(c, "ps --shard 0 ")  # the workers have 1,500 steps: they still run
+    _wait_for_line(proc, "ps0 exited with status -9: starting it again (1 of 3)")
+    _kill(c, "--index 1 ")
+    _wait_for_line(proc, "worker1 exited with status -9: starting it again (1 of 3)")
+    _wait_for_line(proc, "worker1: resuming after step")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["stopped"] == "finished" and result["failed"] == {}, result
+    assert result["restarts"] == {"ps0": 1, "worker1": 1}, result
+    assert 3000 <= result["global_step"] <= 3000 + 20 + 1, result
     assert result["test_metric"] == "accuracy" and result["test_value"] >= 0.9, result
     assert _processes_of(c) == []
 
@@ -172,7 +210,8 @@ def test_sync_mode_applies_one_averaged_update_per_step() -> None:
 def test_sync_mode_with_a_backup_worker_survives_a_killed_worker() -> None:
     c = _container()
     proc = _train("--mode", "sync", "--backup-workers", "1", "--ps", "1", "--workers", "3",
-                  "--steps", "300", "--json", "--container", c, "--log-every", "20")  # fmt: skip
+                  "--steps", "300", "--json", "--container", c, "--log-every", "20",
+                  "--restarts", "0")  # fmt: skip
     _wait_for_line(proc, "worker2: step 20,")
     victims = [p for p in _processes_of(c) if "--index 2 " in p]
     assert len(victims) == 1, _processes_of(c)

@@ -12,7 +12,11 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
   the others carry on), the job is marked finished; the shards drain their queues and
   exit 0; the final metrics are printed (test accuracy, global step, examples/s,
   staleness p50/p99 from the shards' statistics);
-* a shard that fails, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
+* a role that dies (a crash, a SIGKILL) is started again, up to ``restarts`` times
+  each, as a process manager would: a restarted shard takes its lease over at once and
+  puts back what the dead one held, so every gradient is still applied exactly once; a
+  restarted worker goes on after the last step it published;
+* a shard that fails for good, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
   after a grace period): nothing is left running; a server started here is stopped;
 * with ``metrics_port`` BASE, shard ``i`` serves its Prometheus metrics on BASE + i and
   worker ``k`` on BASE + num_shards + k (:meth:`TrainConfig.metrics_ports`; BASE 0:
@@ -81,6 +85,11 @@ class TrainConfig:
     metrics_addr: str = "127.0.0.1"
     #: each worker writes TensorBoard scalars under logdir/worker-<index>/
     logdir: str | None = None
+    #: how often a role that dies (a non-zero exit, a signal) is started again, as a
+    #: process manager would, before its failure counts: a killed shard comes back and
+    #: takes over its lease at once; a killed worker resumes after its last published
+    #: step. 0: never.
+    restarts: int = 3
     extra_worker_args: list[str] = field(default_factory=list)
 
     def metrics_ports(self) -> dict[str, int]:
@@ -141,6 +150,7 @@ class JobResult:
     staleness_p50: int | None = None
     staleness_p99: int | None = None
     failed: dict[str, int] = field(default_factory=dict)  # role -> exit code
+    restarts: dict[str, int] = field(default_factory=dict)  # role -> times restarted
     stopped: str = ""
     restored_from: str | None = None  # the checkpoint the job started from
     restored_step: int | None = None
@@ -163,6 +173,7 @@ class JobResult:
             "staleness_p50": self.staleness_p50,
             "staleness_p99": self.staleness_p99,
             "failed": self.failed,
+            "restarts": self.restarts,
             "stopped": self.stopped,
             "restored_from": self.restored_from,
             "restored_step": self.restored_step,
@@ -170,9 +181,10 @@ class JobResult:
 
 
 class _Role:
-    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, args: list[str]) -> None:
         self.name = name
         self.proc = proc
+        self.args = args
         self.pump: asyncio.Task[None] | None = None
 
 
@@ -198,7 +210,7 @@ async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Ro
         env=env,
         start_new_session=True,  # our signals only: Ctrl-C reaches us, we stop them
     )
-    role = _Role(name, proc)
+    role = _Role(name, proc, args)
     role.pump = asyncio.create_task(_pump(role, emit))
     return role
 
@@ -257,7 +269,8 @@ async def run_job(
         url = server.url
     container = cfg.container or f"train-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     result = JobResult(container=container)
-    roles: list[_Role] = []
+    shards: list[_Role] = []
+    workers: list[_Role] = []  # restarted roles replace theirs in place
     stop = stop or asyncio.Event()
     start = time.monotonic()
     try:
@@ -292,19 +305,16 @@ async def run_job(
                         for role, port in ports.items()
                     )
                 )
-            shards = [
-                await _start(f"ps{i}", cfg.shard_args(i, url, container), emit)
-                for i in range(cfg.num_shards)
-            ]
-            workers = [
-                await _start(f"worker{k}", cfg.worker_args(k, url, container), emit)
-                for k in range(cfg.num_workers)
-            ]
-            roles = shards + workers
+            for i in range(cfg.num_shards):
+                shards.append(await _start(f"ps{i}", cfg.shard_args(i, url, container), emit))
+            for k in range(cfg.num_workers):
+                workers.append(
+                    await _start(f"worker{k}", cfg.worker_args(k, url, container), emit)
+                )
             steps_total = None if cfg.data.startswith("queue:") else cfg.steps * cfg.num_workers
             result.exit_code = await _watch(
                 client, container, shards, workers, result, progress, stop, emit,
-                cfg.sync_replicas, steps_total,
+                cfg.sync_replicas, steps_total, cfg.restarts,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
             result.global_step, result.examples, result.last_loss, _ = await _progress(
@@ -323,7 +333,7 @@ async def run_job(
             result.staleness_p50 = control.staleness_percentile(total, 0.5)
             result.staleness_p99 = control.staleness_percentile(total, 0.99)
     finally:
-        await _stop_all(roles)
+        await _stop_all(shards + workers)
         if server is not None:
             await asyncio.to_thread(server.stop)
     return result
@@ -356,9 +366,12 @@ async def _watch(
     emit: Callable[[str], None],
     sync_replicas: int | None = None,
     total_steps: int | None = None,
+    restarts: int = 0,
 ) -> int:
     """Wait for the workers, then finish the job and wait for the shards. Synchronous
-    training ends once fewer than ``sync_replicas`` workers run: no update can form."""
+    training ends once fewer than ``sync_replicas`` workers run: no update can form. A
+    role that dies is started again (in place, in ``shards``/``workers``) up to
+    ``restarts`` times; after that its failure counts."""
     waits = {asyncio.ensure_future(r.proc.wait()): r for r in shards + workers}
     stopping = asyncio.ensure_future(stop.wait())
     running_workers = set(workers)
@@ -375,6 +388,24 @@ async def _watch(
         for fut in done:
             role = waits.pop(fut)
             code = role.proc.returncode
+            if code != 0 and result.restarts.get(role.name, 0) < restarts:
+                n = result.restarts[role.name] = result.restarts.get(role.name, 0) + 1
+                emit(
+                    f"qps train: {role.name} exited with status {code}: starting it again "
+                    f"({n} of {restarts})"
+                )
+                if role.pump is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(role.pump, 5)
+                again = await _start(role.name, role.args, emit)
+                for group in (shards, workers):
+                    if role in group:
+                        group[group.index(role)] = again
+                if role in running_workers:
+                    running_workers.discard(role)
+                    running_workers.add(again)
+                waits[asyncio.ensure_future(again.proc.wait())] = again
+                continue
             if code != 0:
                 result.failed[role.name] = int(code if code is not None else -1)
                 emit(f"qps train: {role.name} exited with status {code}")

@@ -354,6 +354,17 @@ class Worker:
         tokens = (
             None if sync is None else control.token_queue(sess.client, cfg.container, cfg.index)
         )
+        before = (await job.read_statuses(sess.client, cfg.container)).get(cfg.name)
+        if before and int(before.get("step") or 0) > 0:
+            # an earlier run of this worker in this job (killed, then started again):
+            # its steps count, and this run goes on after the last one it published
+            step = res.steps = int(before["step"])
+            res.examples = int(before.get("examples") or 0)
+            log.info(
+                "%s: resuming after step %d, the last an earlier run of it published",
+                cfg.name,
+                step,
+            )
         await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
         self.metrics.start()
         stop_asked = await self._stop_asked()

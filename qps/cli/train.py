@@ -40,7 +40,7 @@ CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group", "metrics_port", "metrics_addr",
-    "checkpoint_dir", "checkpoint_every", "log_every", "logdir",
+    "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts",
 }  # fmt: skip
 
 
@@ -162,6 +162,15 @@ def _load_config(path: str) -> dict[str, Any]:
     help="Every worker writes TensorBoard scalars under LOGDIR/worker-<index>/ "
     "(see `qps plot LOGDIR`).",
 )
+@click.option(
+    "--restarts",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="Start a role that dies (a crash, a kill) again, up to N times each, as a "
+    "process manager would: a shard takes its lease back at once, a worker resumes "
+    "after its last published step. 0: never. [3]",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -178,9 +187,10 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     global step, examples/s and staleness (p50/p99, in applied updates) are printed.
 
     Ctrl-C stops every role (SIGTERM, then SIGKILL after 10 s): nothing is left
-    running. A worker that crashes does not stop an asynchronous job; a shard that
-    fails stops it (exit status 1). --metrics-port gives every role a Prometheus
-    endpoint (docs/metrics.md).
+    running. A role that dies is started again (--restarts, 3 times each by default):
+    every gradient is still applied exactly once. Past that, a worker that crashes does
+    not stop an asynchronous job; a shard that fails stops it (exit status 1).
+    --metrics-port gives every role a Prometheus endpoint (docs/metrics.md).
     """
     from workers.launcher import TrainConfig, run_job
 
