@@ -247,14 +247,32 @@ def _mib_bytes(mib: int | None) -> int | None:
     return None if mib is None else min(mib << 20, wire.MAX_MESSAGE_BYTES)
 
 
+def _b(n: int | None) -> str:
+    """A byte count for a table cell: 0, 812B, 1.5K, 24.0M, 2.0G."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "K", "M"):
+        if size < 1024:
+            return f"{n}B" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}G"
+
+
 @ps.command(name="status")
 @url_option()
 @container_option
 @json_option
 def status_command(url: str | None, container: str, json: bool) -> None:
     """Each shard's state, lease owner and fencing token, variables owned, messages
-    applied and skipped (redeliveries), rows, dead letters, queue size, and staleness
-    p50/p99 (updates a gradient missed between its read and its apply) per worker.
+    applied and skipped (redeliveries), rows, dead letters, queue size, the bytes held
+    for it, and staleness p50/p99 (updates a gradient missed between its read and its
+    apply) per worker.
+
+    Bytes held: QUEUED, the messages waiting in its queue (in Redis); BLOCKED, the
+    pushes waiting for room in the full queue (in Redis too); HELD, what the shard
+    process holds, read ahead and in the group it applies (as of its last group or
+    lease renewal).
 
     With --json: {"container", "global_step", "finished", "shards": [...]}.
     """
@@ -272,6 +290,7 @@ def status_command(url: str | None, container: str, json: bool) -> None:
     state = "finished" if finished else "running"
     click.echo(f"container {container}: global step {gs}, job {state}")
     header = ["SHARD", "STATE", "TOKEN", "VARS", "APPLIED", "SKIPPED", "ROWS", "DLQ", "QUEUE"]
+    header += ["QUEUED", "BLOCKED", "HELD"]
     rows = [header]
     for s in statuses:
         rows.append(
@@ -285,6 +304,9 @@ def status_command(url: str | None, container: str, json: bool) -> None:
                 str(s.rows),
                 str(s.dead_letters),
                 _p(s.queue_size),
+                _b(s.queue_bytes),
+                _b(s.pending_bytes),
+                _b(s.held_bytes),
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

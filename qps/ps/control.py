@@ -22,11 +22,12 @@ from qps.errors import (
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
+    QpsError,
 )
 from qps.optimizers import Optimizer
 from qps.optimizers import from_spec as optimizer_from_spec
 from qps.queues import FIFOQueue
-from qps.queues.inspect import queue_stats
+from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
 
 __all__ = [
@@ -380,6 +381,12 @@ class ShardStatus:
         queue_size: messages waiting in its gradient queue.
         staleness: worker -> bucketed histogram {staleness: messages}.
         fields: the raw stats hash.
+        queue_bytes: bytes of the messages waiting in its gradient queue (in Redis);
+            ``pending_bytes``: bytes of the pushes blocked on the full queue (also in
+            Redis, waiting to get in); None if the queue could not be read.
+        held_bytes: bytes of the messages the shard process holds: read ahead and in
+            the group it applies (as it last published them: with each group's counters
+            and each lease renewal; 0 once it stopped).
     """
 
     shard: int
@@ -395,6 +402,9 @@ class ShardStatus:
     queue_size: int | None
     staleness: dict[str, dict[int, int]] = field(default_factory=dict)
     fields: dict[str, str] = field(default_factory=dict)
+    queue_bytes: int | None = None
+    pending_bytes: int | None = None
+    held_bytes: int = 0
 
     def percentiles(self) -> dict[str, dict[str, int | None]]:
         """worker -> {"p50", "p99", "messages"} (and ``"*"`` for all workers)."""
@@ -429,6 +439,9 @@ class ShardStatus:
             "dead_letters": self.dead_letters,
             "variables": self.variables,
             "queue_size": self.queue_size,
+            "queue_bytes": self.queue_bytes,
+            "pending_bytes": self.pending_bytes,
+            "held_bytes": self.held_bytes,
             "staleness": self.percentiles(),
             "pid": self.fields.get("pid"),
             "host": self.fields.get("host"),
@@ -463,6 +476,15 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         ).size
     except Exception:
         qsize = None
+    qbytes: int | None = None
+    pbytes: int | None = None
+    if qsize is not None:
+        try:
+            qbytes, pbytes = await list_queue_bytes(
+                client, keys.ps_gradient_queue(shard), container
+            )
+        except QpsError:
+            qbytes = pbytes = None
     state = f.get("state", "never started")
     if state == "running" and owner is None:
         state = "gone"  # its lease expired: killed or stalled
@@ -480,6 +502,9 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         queue_size=qsize,
         staleness=stale,
         fields=f,
+        queue_bytes=qbytes,
+        pending_bytes=pbytes,
+        held_bytes=int(f.get("held_bytes", 0)),
     )
 
 

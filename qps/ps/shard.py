@@ -627,7 +627,9 @@ class Shard:
                 self.log.error("%s", self._lost)
                 self._halt()
                 return
-            await self._stats({"heartbeat_ms": int(time.time() * 1000)}, {})
+            await self._stats(
+                {"heartbeat_ms": int(time.time() * 1000), "held_bytes": self._held_bytes()}, {}
+            )
             await self._sample()
 
     async def _release(self, reason: str) -> None:
@@ -636,7 +638,7 @@ class Shard:
                 await self._lease_script(
                     keys=self._lease_keys(), args=["release", self._lease_value, 0]
                 )
-            await self._stats({"state": reason}, {})
+            await self._stats({"state": reason, "held_bytes": 0}, {})
             self.log.info("lease released (%s)", reason)
         except QpsError as exc:
             self.log.warning("could not release the lease (it expires): %s", exc)
@@ -1240,7 +1242,7 @@ class Shard:
                 for k, n in incr.items():
                     pipe.hincrby(self._prefix + "stats", k, n)
                 now_ms = int(time.time() * 1000)
-                marks = {"last_ms": now_ms}
+                marks = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
                 if g.fresh and not self._applied_once:  # this run's first applied group
                     marks["first_ms"] = now_ms
                 pipe.hset(self._prefix + "stats", mapping=cast(Any, marks))
@@ -1282,6 +1284,10 @@ class Shard:
             pipe.hincrby(self._prefix + "stats", "dead_letters", 1)
             dlq_length, _ = await pipe.execute()
         self.metrics.dead_letters.set(dlq_length)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the messages this process holds: read ahead and in the group."""
+        return sum(_nbytes(d.value) for d in self._held)
 
     async def _sample(self) -> None:
         """Read the queue's size and the dead-letter list's length for the metrics (at
