@@ -140,7 +140,9 @@ async def test_the_worker_refuses_an_oversize_message_and_sends_nothing(job: Job
     assert (await queue_stats(sess.client, keys.ps_gradient_queue(0), C)).size == 1
 
 
-async def test_the_shard_dead_letters_an_oversize_message(job: Job) -> None:
+async def test_the_shard_dead_letters_an_oversize_message(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sess = await job.session()
     await _setup(sess, max_message_bytes=64 << 10)
     await qps.ps.place_variables(sess.client, C, ["big", "small"])
@@ -167,6 +169,10 @@ async def test_the_shard_dead_letters_an_oversize_message(job: Job) -> None:
     assert dead["size"] == len(data) and dead["data"] == b""  # its bytes are not kept
     assert (await sess.pull("big")).version == 0
     assert (await sess.pull("small")).value.tolist() == [-1.0] * 4
+    monkeypatch.setattr(qps.cli.ps, "connected", _cli_connected(sess.client))
+    shown = json.loads((await _cli("dlq", "show", "0", "--json")).output)
+    assert (shown["size"], shown["bytes"], shown["worker"]) == (len(data), 0, "rogue")
+    assert shown["decode_error"] == f"its {len(data)} bytes were not kept"
 
 
 async def test_a_shard_with_another_max_message_size_does_not_start(job: Job) -> None:
@@ -201,15 +207,19 @@ def _cli_connected(client: transport.Client) -> Callable[[str | None], Any]:
     return connected
 
 
-async def _status(*args: str) -> Result:
+async def _cli(*args: str) -> Result:
+    """``qps ps ARGS --container C`` (with ``connected`` patched: see _cli_connected)."""
+
     def run() -> Result:
-        return CliRunner().invoke(
-            cli, ["ps", "status", "--container", C, *args], catch_exceptions=False
-        )
+        return CliRunner().invoke(cli, ["ps", *args, "--container", C], catch_exceptions=False)
 
     r = await asyncio.to_thread(run)
     assert r.exit_code == 0, r.output
     return r
+
+
+async def _status(*args: str) -> Result:
+    return await _cli("status", *args)
 
 
 def _row(output: str) -> dict[str, str]:
