@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import qps
-from qps import checkpoint
+from qps import checkpoint, wire
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from workers import job
@@ -74,6 +74,9 @@ class TrainConfig:
     #: bigger groups apply faster, but every message read ahead is one more update a
     #: gradient can be stale by
     max_group: int = 8
+    #: the job's largest gradient message in MiB (``qps ps --max-message-mib``; None:
+    #: qps.ps.control.DEFAULT_MAX_MESSAGE_BYTES); 2048 means the wire's limit
+    max_message_mib: int | None = None
     seed: int = 1
     url: str | None = None
     container: str | None = None
@@ -282,7 +285,12 @@ async def run_job(
                 result.restored_from, result.restored_step = str(path), info.global_step
                 emit(f"qps train: restored {path} (global step {info.global_step})")
             sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
-            await control.configure(client, container, cfg.num_shards, optimizer, sync=sync)
+            most = None
+            if cfg.max_message_mib is not None:
+                most = min(cfg.max_message_mib << 20, wire.MAX_MESSAGE_BYTES)
+            await control.configure(
+                client, container, cfg.num_shards, optimizer, sync=sync, max_message_bytes=most
+            )
             emit(
                 f"qps train: container {container}: {cfg.num_shards} PS shard(s), "
                 f"{cfg.num_workers} worker(s), model {cfg.model}, {cfg.optimizer} "

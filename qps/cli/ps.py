@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from qps import wire
 from qps.cli import (
     EXIT_NOT_FOUND,
     EXIT_USAGE,
@@ -151,6 +152,15 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
     help="How long a group keeps taking messages that are in the queue before it "
     "commits; it commits at once when the queue is empty.",
 )
+@click.option(
+    "--max-message-mib",
+    type=click.IntRange(min=1, max=(wire.MAX_MESSAGE_BYTES >> 20) + 1),
+    default=None,
+    help="The job's largest gradient message, in MiB: workers refuse to push a larger "
+    "one, and a shard dead-letters one that arrives. Set once per job, like "
+    "--num-shards; 2048 means the wire format's limit, 2 GiB - 1 byte "
+    f"[default: {control.DEFAULT_MAX_MESSAGE_BYTES >> 20}].",
+)
 @metrics_options
 @click.pass_context
 def ps(
@@ -167,6 +177,7 @@ def ps(
     max_group: int,
     max_group_mib: int,
     commit_interval_ms: float,
+    max_message_mib: int | None,
     metrics_port: int | None,
     metrics_addr: str,
 ) -> None:
@@ -179,9 +190,9 @@ def ps(
     waiting as one group and commits each variable once for all of them (--max-group,
     --max-group-mib, --commit-interval-ms). It exits 0 when the job is finished
     (`qps ps finish`) and its queue is drained, and on SIGTERM or Ctrl-C after the
-    group in hand; 1 if its lease was lost. The first shard records N and the
-    optimizer in the container; later ones must agree. --metrics-port serves its
-    Prometheus metrics (docs/metrics.md).
+    group in hand; 1 if its lease was lost. The first shard records N, the
+    optimizer and --max-message-mib in the container; later ones must agree.
+    --metrics-port serves its Prometheus metrics (docs/metrics.md).
 
     \b
     Subcommands: status, dlq ls|show|drop, finish (see `qps ps COMMAND --help`).
@@ -204,6 +215,7 @@ def ps(
         max_group=max_group,
         max_group_bytes=max_group_mib << 20,
         commit_interval_ms=commit_interval_ms,
+        max_message_bytes=_mib_bytes(max_message_mib),
     )
     reason = run_async(_serve(url, options))
     click.echo(f"qps ps: shard {shard}/{num_shards} {reason}", err=True)
@@ -230,14 +242,37 @@ def _p(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+def _mib_bytes(mib: int | None) -> int | None:
+    """MiB as bytes, capped at the wire's limit (2 GiB - 1: 2048 MiB is one byte over)."""
+    return None if mib is None else min(mib << 20, wire.MAX_MESSAGE_BYTES)
+
+
+def _b(n: int | None) -> str:
+    """A byte count for a table cell: 0, 812B, 1.5K, 24.0M, 2.0G."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "K", "M"):
+        if size < 1024:
+            return f"{n}B" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}G"
+
+
 @ps.command(name="status")
 @url_option()
 @container_option
 @json_option
 def status_command(url: str | None, container: str, json: bool) -> None:
     """Each shard's state, lease owner and fencing token, variables owned, messages
-    applied and skipped (redeliveries), rows, dead letters, queue size, and staleness
-    p50/p99 (updates a gradient missed between its read and its apply) per worker.
+    applied and skipped (redeliveries), rows, dead letters, queue size, the bytes held
+    for it, and staleness p50/p99 (updates a gradient missed between its read and its
+    apply) per worker.
+
+    Bytes held: QUEUED, the messages waiting in its queue (in Redis); BLOCKED, the
+    pushes waiting for room in the full queue (in Redis too); HELD, what the shard
+    process holds, read ahead and in the group it applies (as of its last group or
+    lease renewal).
 
     With --json: {"container", "global_step", "finished", "shards": [...]}.
     """
@@ -255,6 +290,7 @@ def status_command(url: str | None, container: str, json: bool) -> None:
     state = "finished" if finished else "running"
     click.echo(f"container {container}: global step {gs}, job {state}")
     header = ["SHARD", "STATE", "TOKEN", "VARS", "APPLIED", "SKIPPED", "ROWS", "DLQ", "QUEUE"]
+    header += ["QUEUED", "BLOCKED", "HELD"]
     rows = [header]
     for s in statuses:
         rows.append(
@@ -268,6 +304,9 @@ def status_command(url: str | None, container: str, json: bool) -> None:
                 str(s.rows),
                 str(s.dead_letters),
                 _p(s.queue_size),
+                _b(s.queue_bytes),
+                _b(s.pending_bytes),
+                _b(s.held_bytes),
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -379,6 +418,8 @@ def dlq_show(url: str | None, container: str, index: int, shard: int, json: bool
     data = d.get("data") or b""
     out["bytes"] = len(data)
     try:
+        if not data and "size" in d:
+            raise ValueError(f"its {d['size']} bytes were not kept")
         msg = decode_message(data)
         grads: dict[str, Any] = {}
         for name, g in msg.grads.items():

@@ -39,7 +39,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
-    "max_group", "metrics_port", "metrics_addr",
+    "max_group", "max_message_mib", "metrics_port", "metrics_addr",
     "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts",
 }  # fmt: skip
 
@@ -118,6 +118,12 @@ def _load_config(path: str) -> dict[str, Any]:
     default=None,
     help="Messages a shard reads ahead and applies as one group [8]. Larger groups apply "
     "faster; each message read ahead is one more update a gradient can be stale by.",
+)
+@click.option(
+    "--max-message-mib",
+    type=click.IntRange(min=1, max=2048),
+    default=None,
+    help="The largest gradient message in MiB (see `qps ps --max-message-mib`) [512].",
 )
 @click.option("--model", default=None, help="NAME:OPTIONS (see `qps worker --help`).")
 @click.option("--data", default=None, help="digits, a .npz file, or queue:NAME.")

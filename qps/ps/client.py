@@ -86,6 +86,7 @@ class PSClient:
         self._placement: dict[str, int] = {}
         self._num_shards: int | None = None
         self._capacity = control.GRADIENT_QUEUE_CAPACITY
+        self._max_bytes = control.DEFAULT_MAX_MESSAGE_BYTES
         self._queues: dict[int, FIFOQueue] = {}
 
     # -- variables -------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class PSClient:
                 )
             self._num_shards = cfg.num_shards
             self._capacity = cfg.queue_capacity
+            self._max_bytes = cfg.max_message_bytes
         return self._num_shards
 
     async def shards_of(self, names: Iterable[str]) -> dict[str, int]:
@@ -203,7 +205,8 @@ class PSClient:
         Raises:
             NotFoundError: an unknown variable.
             InvalidArgumentError: a gradient of the wrong shape, dtype or kind, indices
-                out of range, or a variable that is not floating point.
+                out of range, a variable that is not floating point, or a message over
+                the job's maximum message size (``max_message_bytes``; nothing is sent).
             FailedPreconditionError: no PS job is configured in the container.
             CancelledError: the job is finished (the shards' queues are closed).
         """
@@ -241,7 +244,11 @@ class PSClient:
             m.grads[name] = g
             if name in seen:
                 m.versions[name] = int(seen[name])
+        for s, m in by_shard.items():  # the gradients alone over the limit: do not encode
+            self._check_size(s, sum(g.nbytes for g in m.grads.values()))
         payloads = {s: encode_message(m) for s, m in by_shard.items()}
+        for s, p in payloads.items():
+            self._check_size(s, len(p))
         try:
             await asyncio.gather(*(self._send(s, p) for s, p in payloads.items()))
         except CancelledError as exc:
@@ -251,6 +258,15 @@ class PSClient:
                 ) from exc
             raise
         return {s: m.id for s, m in by_shard.items()}
+
+    def _check_size(self, shard: int, nbytes: int) -> None:
+        if nbytes > self._max_bytes:
+            raise InvalidArgumentError(
+                f"the gradient message for shard {shard} is {nbytes} bytes, over the "
+                f"maximum message size of the PS job of container '{self.container}', "
+                f"{self._max_bytes} bytes (max_message_bytes; nothing was sent): place "
+                "large variables on several shards or partition them"
+            )
 
     async def _send(self, shard: int, payload: bytes) -> None:
         """Enqueue one message on ``shard``'s gradient queue. A push that waited on a

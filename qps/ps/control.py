@@ -16,20 +16,22 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from qps import keys, placement
+from qps import keys, placement, wire
 from qps.containers import Counter
 from qps.errors import (
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
+    QpsError,
 )
 from qps.optimizers import Optimizer
 from qps.optimizers import from_spec as optimizer_from_spec
 from qps.queues import FIFOQueue
-from qps.queues.inspect import queue_stats
+from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
 
 __all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "GLOBAL_STEP_SHARD",
     "GRADIENT_QUEUE_CAPACITY",
     "PSConfig",
@@ -52,6 +54,10 @@ __all__ = [
 #: Messages a shard's gradient queue holds before pushes block (bounds a PS's memory:
 #: TF issue #6508, 64 workers OOM one PS).
 GRADIENT_QUEUE_CAPACITY = 8
+#: The largest gradient message (encoded bytes) a job accepts unless it sets another
+#: (``max_message_bytes``): with the default queue capacity it bounds what one gradient
+#: queue can hold in Redis to 8 x 512 MiB. At most :data:`qps.wire.MAX_MESSAGE_BYTES`.
+DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 #: The shard that advances the global step (TF: the PS that holds ``global_step``).
 GLOBAL_STEP_SHARD = 0
 
@@ -74,6 +80,9 @@ class PSConfig:
     #: synchronous training (SyncReplicasOptimizer): (replicas_to_aggregate,
     #: total_num_replicas), or None for asynchronous training
     sync: tuple[int, int] | None = None
+    #: the largest encoded gradient message a worker may push and a shard applies
+    #: (DEFAULT_MAX_MESSAGE_BYTES unless the job set another)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 async def read_config(client: Client, container: str) -> PSConfig | None:
@@ -84,7 +93,12 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
     """
     with map_errors():
         raw = await client.commands.hmget(
-            keys.ps_config(container), "num_shards", "optimizer", "queue_capacity", "sync"
+            keys.ps_config(container),
+            "num_shards",
+            "optimizer",
+            "queue_capacity",
+            "sync",
+            "max_message_bytes",
         )
     if raw[0] is None:
         return None
@@ -96,9 +110,10 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
         if raw[3] is not None:
             r, t = (int(x) for x in _text(raw[3]).split("/"))
             sync = (r, t)
+        most = DEFAULT_MAX_MESSAGE_BYTES if raw[4] is None else int(raw[4])
     except (ValueError, InvalidArgumentError) as exc:
         raise DataLossError(f"bad PS config in container '{container}': {exc}") from exc
-    return PSConfig(n, opt, cap, sync)
+    return PSConfig(n, opt, cap, sync, most)
 
 
 async def configure(
@@ -108,13 +123,19 @@ async def configure(
     optimizer: Optimizer | None = None,
     queue_capacity: int | None = None,
     sync: tuple[int, int] | None = None,
+    max_message_bytes: int | None = None,
 ) -> PSConfig:
     """Record the PS job of ``container`` (first caller wins) and return it: every shard
     and worker must agree on ``num_shards``, and every shard applies the one optimizer.
+    ``queue_capacity``, ``sync`` and ``max_message_bytes`` (the largest encoded gradient
+    message) are set once too; None: keep the stored one. The first call stores
+    ``max_message_bytes``, :data:`DEFAULT_MAX_MESSAGE_BYTES` if it is None, so a later
+    call with another one disagrees.
 
     Raises:
-        InvalidArgumentError: ``num_shards < 1``, or a config already stored with
-            another number of shards or another optimizer.
+        InvalidArgumentError: ``num_shards < 1``, a ``max_message_bytes`` not in
+            [1, wire.MAX_MESSAGE_BYTES], or a config already stored with another number
+            of shards, optimizer, queue capacity, mode or maximum message size.
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
@@ -137,6 +158,16 @@ async def configure(
                     f"sync needs 1 <= replicas_to_aggregate <= total_num_replicas, got {sync}"
                 )
             pipe.hsetnx(key, "sync", f"{r}/{t}")
+        # stored by the first caller, the default included: it is fixed once workers
+        # may have pushed under it
+        m = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise InvalidArgumentError(f"max_message_bytes must be an int, got {m!r}")
+        if not 1 <= m <= wire.MAX_MESSAGE_BYTES:
+            raise InvalidArgumentError(
+                f"max_message_bytes must be in [1, {wire.MAX_MESSAGE_BYTES}], got {m}"
+            )
+        pipe.hsetnx(key, "max_message_bytes", m)
         pipe.sadd(keys.CONTAINERS, container)
         await pipe.execute()
     cfg = await read_config(client, container)
@@ -151,6 +182,12 @@ async def configure(
         raise InvalidArgumentError(
             f"the PS job of container '{container}' has gradient queues of capacity "
             f"{cfg.queue_capacity}, not {queue_capacity} (reset the container to change it)"
+        )
+    if max_message_bytes is not None and cfg.max_message_bytes != max_message_bytes:
+        raise InvalidArgumentError(
+            f"the PS job of container '{container}' has a maximum gradient message size of "
+            f"{cfg.max_message_bytes} bytes, not {max_message_bytes} (reset the container "
+            "to change it)"
         )
     if cfg.num_shards != num_shards:
         raise InvalidArgumentError(
@@ -344,6 +381,12 @@ class ShardStatus:
         queue_size: messages waiting in its gradient queue.
         staleness: worker -> bucketed histogram {staleness: messages}.
         fields: the raw stats hash.
+        queue_bytes: bytes of the messages waiting in its gradient queue (in Redis);
+            ``pending_bytes``: bytes of the pushes blocked on the full queue (also in
+            Redis, waiting to get in); None if the queue could not be read.
+        held_bytes: bytes of the messages the shard process holds: read ahead and in
+            the group it applies (as it last published them: with each group's counters
+            and each lease renewal; 0 once it stopped).
     """
 
     shard: int
@@ -359,6 +402,9 @@ class ShardStatus:
     queue_size: int | None
     staleness: dict[str, dict[int, int]] = field(default_factory=dict)
     fields: dict[str, str] = field(default_factory=dict)
+    queue_bytes: int | None = None
+    pending_bytes: int | None = None
+    held_bytes: int = 0
 
     def percentiles(self) -> dict[str, dict[str, int | None]]:
         """worker -> {"p50", "p99", "messages"} (and ``"*"`` for all workers)."""
@@ -393,6 +439,9 @@ class ShardStatus:
             "dead_letters": self.dead_letters,
             "variables": self.variables,
             "queue_size": self.queue_size,
+            "queue_bytes": self.queue_bytes,
+            "pending_bytes": self.pending_bytes,
+            "held_bytes": self.held_bytes,
             "staleness": self.percentiles(),
             "pid": self.fields.get("pid"),
             "host": self.fields.get("host"),
@@ -427,6 +476,15 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         ).size
     except Exception:
         qsize = None
+    qbytes: int | None = None
+    pbytes: int | None = None
+    if qsize is not None:
+        try:
+            qbytes, pbytes = await list_queue_bytes(
+                client, keys.ps_gradient_queue(shard), container
+            )
+        except QpsError:
+            qbytes = pbytes = None
     state = f.get("state", "never started")
     if state == "running" and owner is None:
         state = "gone"  # its lease expired: killed or stalled
@@ -444,6 +502,9 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         queue_size=qsize,
         staleness=stale,
         fields=f,
+        queue_bytes=qbytes,
+        pending_bytes=pbytes,
+        held_bytes=int(f.get("held_bytes", 0)),
     )
 
 

@@ -189,6 +189,10 @@ class ShardOptions:
             once when the queue is empty. Checked after each batch taken (a batch is
             every message read ahead). Bounds the delay a busy shard adds before a
             gradient is visible, and how often it commits under load.
+        max_message_bytes: the job's largest gradient message (set once, like the
+            number of shards: see :func:`qps.ps.configure`); None: the stored one, or
+            :data:`~qps.ps.control.DEFAULT_MAX_MESSAGE_BYTES`. A larger message that
+            arrives anyway is dead-lettered (without its bytes), never applied.
     """
 
     shard: int
@@ -201,6 +205,7 @@ class ShardOptions:
     max_group: int = DEFAULT_MAX_GROUP
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     commit_interval_ms: float = DEFAULT_COMMIT_INTERVAL_MS
+    max_message_bytes: int | None = None
 
 
 @dataclass
@@ -222,6 +227,8 @@ class _Item:
     msg: GradientMessage | None = None
     error: str = ""
     nbytes: int = 0
+    oversize: bool = False  # over the job's max_message_bytes (error says so)
+    about: GradientMessage | None = None  # an oversize message's provenance, if it decodes
 
 
 class _Inbox:
@@ -411,6 +418,7 @@ class Shard:
         self.skipped = 0
         self.dead = 0
         self._held: list[Delivery] = []  # deliveries taken and not settled, in order
+        self._max_message = control.DEFAULT_MAX_MESSAGE_BYTES  # the job's, set by run()
         #: ``time.monotonic()`` when the apply loop started (after the lease and the
         #: variables' loading), None before.
         self.loop_started: float | None = None
@@ -442,7 +450,11 @@ class Shard:
         """Take the lease, own the variables, apply messages until the job is finished
         or a stop is requested; return ``"finished"`` or ``"stopped"``."""
         cfg = await control.configure(
-            self.client, self.container, self.options.num_shards, self.optimizer
+            self.client,
+            self.container,
+            self.options.num_shards,
+            self.optimizer,
+            max_message_bytes=self.options.max_message_bytes,
         )
         if cfg.optimizer is None:
             raise FailedPreconditionError(
@@ -451,6 +463,7 @@ class Shard:
             )
         self.optimizer = cfg.optimizer
         self.sync = cfg.sync
+        self._max_message = cfg.max_message_bytes
         self._queue = control.gradient_queue(
             self.client, self.container, self.shard, cfg.queue_capacity
         )
@@ -587,7 +600,9 @@ class Shard:
                 self.log.error("%s", self._lost)
                 self._halt()
                 return
-            await self._stats({"heartbeat_ms": int(time.time() * 1000)}, {})
+            await self._stats(
+                {"heartbeat_ms": int(time.time() * 1000), "held_bytes": self._held_bytes()}, {}
+            )
             await self._sample()
 
     async def _release(self, reason: str) -> None:
@@ -596,7 +611,7 @@ class Shard:
                 await self._lease_script(
                     keys=self._lease_keys(), args=["release", self._lease_value, 0]
                 )
-            await self._stats({"state": reason}, {})
+            await self._stats({"state": reason, "held_bytes": 0}, {})
             self.log.info("lease released (%s)", reason)
         except QpsError as exc:
             self.log.warning("could not release the lease (it expires): %s", exc)
@@ -715,6 +730,12 @@ class Shard:
                     item.msg = decode_message(d.value)
                 except DataLossError as exc:
                     item.error = str(exc)
+                if item.nbytes > self._max_message:  # a worker that ignored the limit
+                    item.about, item.msg, item.oversize = item.msg, None, True
+                    item.error = (
+                        f"message of {item.nbytes} bytes is over the job's maximum message "
+                        f"size of {self._max_message} bytes (max_message_bytes)"
+                    )
                 inbox.put(item)
         except OutOfRangeError:
             inbox.finish()
@@ -831,8 +852,12 @@ class Shard:
     async def _reject(
         self, q: QueueBase | None, g: _Group, item: _Item, reason: str, variable: str | None
     ) -> None:
-        """Dead-letter ``item`` (nothing of it was applied) and ack it at once."""
-        await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.delivery))
+        """Dead-letter ``item`` (nothing of it was applied) and ack it at once. An
+        oversize message is kept without its bytes (its size is recorded)."""
+        if item.oversize:
+            await self._dead_letter(item.about, reason, size=item.nbytes)
+        else:
+            await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.delivery))
         if item.delivery is not None and q is not None:
             g.deliveries = [d for d in g.deliveries if d is not item.delivery]
             await self._settle(q, [item.delivery], ack=True)
@@ -1190,7 +1215,7 @@ class Shard:
                 for k, n in incr.items():
                     pipe.hincrby(self._prefix + "stats", k, n)
                 now_ms = int(time.time() * 1000)
-                marks = {"last_ms": now_ms}
+                marks = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
                 if g.fresh and not self._applied_once:  # this run's first applied group
                     marks["first_ms"] = now_ms
                 pipe.hset(self._prefix + "stats", mapping=cast(Any, marks))
@@ -1214,6 +1239,7 @@ class Shard:
         *,
         variable: str | None = None,
         raw: bytes = b"",
+        size: int | None = None,
     ) -> None:
         self.dead += 1
         entry: dict[str, Any] = {"reason": reason, "time": time.time(), "shard": self.shard}
@@ -1221,6 +1247,8 @@ class Shard:
             entry.update(msg.provenance())
         if variable is not None:
             entry["variable"] = variable
+        if size is not None:  # the message's size, its bytes not kept
+            entry["size"] = size
         entry["data"] = raw
         self.log.warning("dead letter%s: %s", f" {msg.id}" if msg is not None else "", reason)
         with map_errors():
@@ -1229,6 +1257,10 @@ class Shard:
             pipe.hincrby(self._prefix + "stats", "dead_letters", 1)
             dlq_length, _ = await pipe.execute()
         self.metrics.dead_letters.set(dlq_length)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the messages this process holds: read ahead and in the group."""
+        return sum(_nbytes(d.value) for d in self._held)
 
     async def _sample(self) -> None:
         """Read the queue's size and the dead-letter list's length for the metrics (at
