@@ -174,6 +174,10 @@ class BenchServer:
         self._dir: str | None = None
         self.url = ""
 
+    def pids(self) -> list[int]:
+        """The server process's pid, if this object started it."""
+        return [] if self._proc is None else [self._proc.pid]
+
     def start(self) -> BenchServer:
         if self._given_url:
             u = urlparse(self._given_url)

@@ -15,7 +15,10 @@ Every ``--every`` seconds it samples throughput (elements dequeued, or global st
 the resident memory of every process (from ``/proc``) and Redis's ``used_memory``.
 Reported: throughput per interval and its drift (mean of the last third against the
 first third; the goal is no fall of more than 10 %), and each memory series' first and
-last values and its largest rise after the warm-up (the first fifth of the run).
+last values and its largest rise after the warm-up (the first fifth of the run). The CPU
+time of every process of the run and of Redis is sampled too: CPU ms per unit of work
+(element or global step) in the first and last thirds tells a slowdown of the code (more
+CPU per unit) from a busier machine (the same CPU per unit, less of it to go round).
 
     python bench/soak.py queues --minutes 10 --producers 8 --consumers 8
     python bench/soak.py train --minutes 10 --workers 4 --shards 2
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -50,6 +54,19 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) ``pid`` has used, from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
 def descendants(pid: int) -> list[int]:
@@ -145,7 +162,28 @@ def _summary(samples: list[dict[str, Any]], rate_key: str, warm: float) -> dict[
                 "max_rise": round(max(series) - series[0], 1),
             }
     redis = [s["redis_mib"] for s in after]
+    # CPU seconds per unit of work (all the run's processes and Redis), per interval: a
+    # fall in throughput with the same CPU per unit is the machine, not the code
+    pairs = [(a, b) for a, b in itertools.pairwise(after) if "cpu_s" in a and "cpu_s" in b]
+    per_unit = [
+        (b["cpu_s"] - a["cpu_s"]) / (b["work"] - a["work"]) * 1e3
+        for a, b in pairs
+        if b["work"] > a["work"]
+    ]
+    busy = [(b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in pairs]
+    cpu: dict[str, Any] = {}
+    if per_unit:
+        k = max(1, len(per_unit) // 3)
+        c1, c2 = statistics.mean(per_unit[:k]), statistics.mean(per_unit[-k:])
+        cpu = {
+            "cpu_ms_per_unit_first_third": round(c1, 3),
+            "cpu_ms_per_unit_last_third": round(c2, 3),
+            "cpu_drift": round(c2 / c1 - 1.0, 3),
+            "cpu_busy_first_third": round(statistics.mean(busy[:k]), 2),
+            "cpu_busy_last_third": round(statistics.mean(busy[-k:]), 2),
+        }
     return {
+        **cpu,
         "rates": [round(r, 1) for r in rates],
         "intervals": len(rates),
         "rate_first_third": round(first, 1),
@@ -206,6 +244,9 @@ async def soak_queues(a: argparse.Namespace, server: harness.BenchServer) -> dic
             "rss_mib": {n: r for n, p in procs.items() if (r := rss_mib(p.pid)) is not None},
             "redis_mib": await _redis_used(client),
         }
+        s["work"] = st.dequeued_total
+        pids = [p.pid for p in procs.values()] + server.pids()
+        s["cpu_s"] = sum(c for k in pids if (c := cpu_s(k)))
         if last is not None:
             s["el_per_s"] = (s["dequeued"] - last["dequeued"]) / (now - last["t"])
         samples.append(s)
@@ -294,6 +335,8 @@ async def soak_train(a: argparse.Namespace, server: harness.BenchServer) -> dict
             "redis_mib": await _redis_used(client),
         }
         s["rss_mib"]["qps train"] = rss_mib(train.pid) or 0.0
+        s["work"] = gs
+        s["cpu_s"] = sum(c for k in [train.pid, *kids, *server.pids()] if (c := cpu_s(k)))
         if last is not None:
             s["steps_per_s"] = (gs - last["global_step"]) / (now - last["t"])
         samples.append(s)
