@@ -445,7 +445,6 @@ class _Lease:
         self.client, self.owner, self.queue = client, owner, queue
         self.script = client.commands.register_script(_LEASE)
         self.lost: str | None = None  # who took it from us
-        self.predecessor = ""  # the dead owner we took it from
 
     async def _call(self, *args: Any) -> list[Any]:
         with map_errors():
@@ -464,7 +463,6 @@ class _Lease:
             if owner_is_dead(held):
                 reply = await self._call("takeover", self.owner, FEED_LEASE_MS, held)
                 if reply[0] == b"ok":
-                    self.predecessor = held
                     log.info(
                         "took over the feed into '%s' from %s, a dead process", self.queue, held
                     )
