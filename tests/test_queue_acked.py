@@ -66,6 +66,38 @@ async def test_up_to_on_a_closed_queue(client):
         await q.dequeue_acked()
 
 
+async def test_an_acked_dequeue_of_a_closed_queue_waits_for_held_elements(make_client):
+    """Closed and empty, but another consumer holds a delivery: an acknowledged dequeue
+    waits for it (it may come back) instead of reporting the end; a plain dequeue reports
+    the end at once, as in TF. A nack hands the element over; once nothing is held, the
+    waiting dequeue gets OutOfRange."""
+    a, b = fifo(await make_client()), fifo(await make_client())
+    await a.enqueue_many(np.arange(2, dtype=I64))
+    await a.close()
+    d0 = await a.dequeue_acked()
+    d1 = await a.dequeue_acked()
+    with pytest.raises(OutOfRangeError):
+        await b.dequeue_up_to(1)  # TF semantics for a plain dequeue
+    waiting = asyncio.create_task(b.dequeue_up_to_acked(5))
+    await until(lambda: _waits(b))
+    await a.nack(d0)  # back to the queue: the waiting dequeue gets it
+    got = await waiting
+    assert got.value.tolist() == [0]
+    waiting = asyncio.create_task(b.dequeue_acked())
+    await until(lambda: _waits(b))
+    await b.ack(got)
+    assert not waiting.done()  # d1 is still held
+    await a.ack(d1)  # nothing held any more: the end
+    with pytest.raises(OutOfRangeError):
+        await waiting
+    with pytest.raises(OutOfRangeError):
+        await b.dequeue_acked()
+
+
+async def _waits(q) -> bool:
+    return (await q.stats()).pending_dequeues == 1
+
+
 async def test_a_waiting_acked_dequeue_and_cancellation(client):
     q = fifo(client)
     task = asyncio.create_task(q.dequeue_many_acked(3))

@@ -56,13 +56,17 @@ import qps
 from qps import checkpoint, curves
 from qps import metrics as _metrics
 from qps.errors import (
+    AbortedError,
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
     OutOfRangeError,
+    QpsError,
 )
 from qps.ps import control
+from qps.queues.base import Delivery
+from qps.queues.waiters import LEASE_MS
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
 from workers.models import Model, Rows, build_model, grads_to_host
@@ -186,6 +190,9 @@ class _Input:
         self.test: tuple[np.ndarray, ...] | None = None
         self.queue: Any = None
         self._local: Any = None
+        #: batches taken from the queue (acknowledged dequeues) and not acked yet, oldest
+        #: first: the one being trained on, and the one fetched ahead
+        self._held: collections.deque[Delivery] = collections.deque()
 
     async def open(self) -> None:
         data = self.cfg.data
@@ -206,10 +213,45 @@ class _Input:
             train, order = self._local
             return take(train, next(order))
         try:
-            got = await self.queue.dequeue_up_to(self.cfg.batch_size)
+            d = await self.queue.dequeue_up_to_acked(self.cfg.batch_size)
         except OutOfRangeError:
             return None
+        self._held.append(d)
+        got = d.value
         return tuple(got) if isinstance(got, (list, tuple)) else (got,)
+
+    async def used(self) -> None:
+        """The oldest batch handed out was trained on (its gradients pushed): ack it, so
+        its examples leave the queue for good. A batch of a worker that dies first goes
+        back to the queue when its lease runs out, for another worker."""
+        if not self._held:
+            return
+        d = self._held.popleft()
+        try:
+            await self.queue.ack(d)
+        except AbortedError as exc:  # stalled past the lease: another worker got them too
+            log.warning("%s: %s", self.cfg.name, exc)
+
+    async def give_back(self) -> None:
+        """Put back, at the front of the queue, the batches handed out and not trained on
+        (the one fetched ahead when the worker stops)."""
+        while self._held:
+            d = self._held.pop()  # newest first: the oldest ends up in front
+            with contextlib.suppress(QpsError):
+                await self.queue.nack(d)
+
+    async def keep_alive(self) -> None:
+        """Renew the leases of the batches held, while a step (or a wait for a token or
+        for slower workers) takes longer than a lease."""
+        while True:
+            await asyncio.sleep(LEASE_MS / 3000.0)
+            for d in list(self._held):
+                try:
+                    await self.queue.touch(d)
+                except AbortedError as exc:
+                    log.warning("%s: %s", self.cfg.name, exc)
+                except QpsError as exc:
+                    log.warning("%s: could not renew a batch's lease: %s", self.cfg.name, exc)
 
 
 class Worker:
@@ -346,6 +388,7 @@ class Worker:
         if cfg.index == 0 and cfg.checkpoint_every:
             next_ckpt = (res.global_step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
         batches = self._batches(source)
+        toucher = asyncio.ensure_future(source.keep_alive()) if source.queue is not None else None
         res.stopped_by = "end of input"
         pulled: tuple[dict[str, Any], dict[str, int]] | None = None
         ps_cfg = await control.read_config(sess.client, cfg.container)
@@ -396,6 +439,7 @@ class Worker:
                     token = await self._token(tokens, sync[0])
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
+                        await source.used()
                         step += 1
                         res.steps, res.last_loss = step, loss
                         res.examples += int(batch[-1].shape[0])
@@ -418,6 +462,7 @@ class Worker:
                         ahead.cancel()
                         raise
                     pulled = await ahead
+                await source.used()
                 step += 1
                 n = int(batch[-1].shape[0])
                 res.steps, res.examples, res.last_loss = step, res.examples + n, loss
@@ -447,6 +492,10 @@ class Worker:
             res.stopped_by = await self._stop_asked() or f"job finished ({exc})"
         finally:
             await batches.aclose()
+            if toucher is not None:
+                toucher.cancel()
+                await asyncio.gather(toucher, return_exceptions=True)
+                await source.give_back()
         res.seconds = time.monotonic() - start
         res.ended_at = time.time()
         res.global_step = await sess.global_step()
@@ -576,9 +625,7 @@ async def run_worker(
     to ``metrics`` (default: the process's, :func:`qps.metrics.default`)."""
     if cfg.index < 0:
         async with await qps.connect(cfg.url) as client:
-            cfg.index = await job.claim_index(
-                client, cfg.container, claimant(), cfg.num_workers
-            )
+            cfg.index = await job.claim_index(client, cfg.container, claimant(), cfg.num_workers)
         log.info("%s: claimed index %d of %d", cfg.name, cfg.index, cfg.num_workers)
     async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
         w = Worker(cfg, sess, metrics)

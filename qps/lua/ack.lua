@@ -16,5 +16,6 @@ for i = 2, #A do
     qs_drop(vals)
   end
 end
+flush()  -- on a closed queue, acknowledged dequeues waiting for these may end now
 if #lost > 0 then return {'expired', unpack(lost)} end
 return {'ok'}

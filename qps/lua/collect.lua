@@ -3,7 +3,7 @@
 -- {'pending'} after renewing its lease. Also reaps attempts of dead callers.
 local E, ID = A[2], A[3]
 if A[4] ~= '-' then drop_record(A[4]) end
-if reap() then flush() end
+if reap() or CLOSED then flush() end  -- closed: a wait on held elements may end
 local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st, acked_entry(E)) end
 if not KIND then return {'gone'} end

@@ -53,8 +53,11 @@ local function attempt()
     if avail >= N then return deliver(N) end
     if CLOSED or NOWAIT then
       if MODE == 'upto' and avail > 0 then return deliver(avail) end
-      if CLOSED then return {'oor:' .. size()} end
-      return {'wouldblock'}
+      -- closed: the end, unless an acknowledged dequeue may still get elements that
+      -- other consumers hold (it waits for them: see holds())
+      local wait = CLOSED and ACKED and avail == 0 and holds()
+      if CLOSED and not wait then return {'oor:' .. size()} end
+      if NOWAIT then return {'wouldblock'} end
     end
     if avail > 0 then rpush_all(hk, take(avail)) end
   elseif NOWAIT then

@@ -410,6 +410,18 @@ local function acked_entry(e)
   return string.sub(e, 1, 2) == 'd|' and string.match(e, '^d|%d+|%a+A|') ~= nil
 end
 
+-- Whether consumers hold delivered elements ('r|<id>' leases): acknowledged deliveries
+-- not yet acked, or deliveries not yet collected. On a closed queue such elements may
+-- still come back (a nack, a lease that runs out), so an acknowledged dequeue waits for
+-- them instead of reporting the end of the queue.
+local function holds()
+  if S.w == 0 then return false end
+  for _, e in ipairs(redis.call('ZRANGE', LEASE, 0, -1)) do
+    if string.sub(e, 1, 2) == 'r|' then return true end
+  end
+  return false
+end
+
 local function signal(id, status)
   redis.call('SET', akey(id, 's'), status, 'PX', RECORD_MS)
   redis.call('RPUSH', akey(id, 'w'), 1)
@@ -517,7 +529,7 @@ local function flush()
         end
         finish_deq(e, id, 'ok', held)
         progress = true
-      elseif CLOSED then
+      elseif CLOSED and not (held == 0 and acked_entry(e) and holds()) then
         redis.call('LPOP', DW)
         progress = true
         if mode == 'upto' and held > 0 then
