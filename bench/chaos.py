@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -145,6 +146,109 @@ class Redis:
             self.proc.wait()
 
 
+class Proxy:
+    """A TCP proxy between the roles and the Redis server, run on the driver's event loop.
+
+    Every accepted connection gets its own connection to Redis, and bytes are copied both
+    ways. :meth:`cut` closes every proxied connection at once with an RST (``SO_LINGER``
+    0) on both sides, as a dropped link or a NAT that forgot the flow would; the proxy
+    keeps accepting, so a role that connects again gets through. :meth:`blackhole` first
+    stops forwarding (in both directions, the sockets left open: a half-open link) for
+    a while, then cuts: what a role sent meanwhile never reached Redis, and what Redis
+    had answered before never reached the role.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.url = ""
+        self.server: asyncio.Server | None = None
+        self.pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.light = asyncio.Event()  # cleared while a blackhole lasts
+        self.light.set()
+        self.accepted = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:  # Redis is down: so is this connection
+            _reset(writer)
+            return
+        pair = (writer, up_writer)
+        self.pairs.add(pair)
+        pumps = [asyncio.ensure_future(self._pump(reader, up_writer, pair)),
+                 asyncio.ensure_future(self._pump(up_reader, writer, pair))]  # fmt: skip
+        for t in pumps:
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+        await asyncio.gather(*pumps, return_exceptions=True)
+        self.pairs.discard(pair)
+
+    async def _pump(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+    ) -> None:
+        try:
+            while True:
+                data = await src.read(1 << 16)
+                if not data:  # EOF (e.g. Redis shut down): pass it on as a close
+                    break
+                await self.light.wait()  # a blackhole holds what was read (it is cut later)
+                if pair not in self.pairs:  # cut meanwhile
+                    break
+                dst.write(data)
+                await dst.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        for w in pair:
+            w.close()
+
+    def cut(self) -> int:
+        """Reset every proxied connection (both sides); return how many were cut."""
+        pairs, self.pairs = list(self.pairs), set()
+        for pair in pairs:
+            for w in pair:
+                _reset(w)
+        return len(pairs)
+
+    async def blackhole(self, seconds: float, *, cut: bool = True) -> int:
+        """Forward nothing for ``seconds`` (connections stay open, bytes wait), then cut
+        them all and return how many; ``cut`` False: forward again instead (a partition
+        that healed before TCP gave up: nothing is lost), and return 0."""
+        self.light.clear()
+        try:
+            await asyncio.sleep(seconds)
+            return self.cut() if cut else 0
+        finally:
+            self.light.set()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.cut()
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``'s socket with an RST (SO_LINGER 0), dropping anything unsent."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 class Role:
     """One role process, restarted by :class:`Chaos` when it exits with an error."""
 
@@ -182,6 +286,7 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.tmp = tempfile.mkdtemp(prefix="qps-chaos-")
         self.redis = Redis(self.tmp)
+        self.proxy = Proxy(self.redis.port)
         self.roles: dict[str, Role] = {}
         self.in_flight: list[tuple[int, int]] = []  # (worker, step) pushes of dead workers
         self.events: list[dict[str, Any]] = []
@@ -205,7 +310,8 @@ class Chaos:
         from qps.ps import control
 
         self.redis.start()
-        await self.connect()
+        await self.proxy.start()
+        await self.connect()  # the driver's own client goes straight to Redis
         await control.configure(self.client, C, 2, SGD(learning_rate=1.0))
         async with qps.Session(client=self.client, container=C) as sess:
             for name in ("w", "v"):
@@ -217,13 +323,13 @@ class Chaos:
             self.roles[f"ps{i}"] = Role(
                 f"ps{i}",
                 [py, "-m", "qps.cli.main", "ps", "--shard", str(i), "--num-shards", "2",
-                 "--url", self.redis.url, "--container", C],
+                 "--url", self.proxy.url, "--container", C],
                 os.path.join(self.tmp, f"ps{i}.log"),
             )  # fmt: skip
         for k in range(self.args.workers):
             self.roles[f"w{k}"] = Role(
                 f"w{k}",
-                [py, __file__, "--role", "worker", "--url", self.redis.url, "--worker", str(k),
+                [py, __file__, "--role", "worker", "--url", self.proxy.url, "--worker", str(k),
                  "--steps", str(self.args.steps), "--log", self.log_path(k)],
                 os.path.join(self.tmp, f"w{k}.out"),
             )  # fmt: skip
@@ -331,6 +437,15 @@ class Chaos:
             await self.connect()
             self.redis_down = False
             self.events.append({"t": now, "fault": kind})
+        elif kind == "cut":
+            n = self.proxy.cut()
+            self.events.append({"t": now, "fault": kind, "connections": n})
+        elif kind == "blackhole":
+            n = await self.proxy.blackhole(self.args.blackhole_seconds)
+            self.events.append({"t": now, "fault": kind, "connections": n})
+        elif kind == "partition":
+            await self.proxy.blackhole(self.args.partition_seconds, cut=False)
+            self.events.append({"t": now, "fault": kind})
 
     # -- the run ---------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -338,7 +453,9 @@ class Chaos:
         t0 = time.monotonic()
         await self.setup()
         faults = (["shard-kill"] * a.shard_kills + ["worker-kill"] * a.worker_kills
-                  + ["stop"] * a.stops + ["redis-restart"] * a.redis_restarts)  # fmt: skip
+                  + ["stop"] * a.stops + ["redis-restart"] * a.redis_restarts
+                  + ["cut"] * a.cuts + ["blackhole"] * a.blackholes
+                  + ["partition"] * a.partitions)  # fmt: skip
         self.rng.shuffle(faults)
         total = a.workers * a.steps
         helpers = [asyncio.ensure_future(self.supervise()),
@@ -429,8 +546,10 @@ class Chaos:
             "steps_per_worker": a.steps,
             "faults": {
                 kind: sum(1 for e in self.events if e.get("fault") == kind)
-                for kind in ("shard-kill", "worker-kill", "stop", "redis-restart")
+                for kind in ("shard-kill", "worker-kill", "stop", "redis-restart", "cut",
+                             "blackhole", "partition")
             },
+            "connections_cut": sum(int(e.get("connections", 0)) for e in self.events),
             "restarts": {n: r.starts - 1 for n, r in self.roles.items()},
             "pushes_logged": a.workers * a.steps,
             "pushes_in_flight_at_a_death": len(self.in_flight),
@@ -460,6 +579,7 @@ class Chaos:
         if self.client is not None:
             with contextlib.suppress(Exception):
                 await self.client.close()
+        await self.proxy.close()
         if self.redis.proc is not None and self.redis.proc.poll() is None:
             self.redis.proc.kill()
             self.redis.proc.wait()
@@ -493,6 +613,13 @@ def main() -> None:
     p.add_argument("--stops", type=int, default=2, help="SIGSTOP/SIGCONT of a worker")
     p.add_argument("--stop-seconds", type=float, default=1.5)
     p.add_argument("--redis-restarts", type=int, default=1)
+    p.add_argument("--cuts", type=int, default=2, help="every role connection reset at once")
+    p.add_argument("--blackholes", type=int, default=0,
+                   help="nothing forwarded for --blackhole-seconds, then a cut")  # fmt: skip
+    p.add_argument("--blackhole-seconds", type=float, default=2.0)
+    p.add_argument("--partitions", type=int, default=0,
+                   help="nothing forwarded for --partition-seconds, then forwarding resumes")  # fmt: skip
+    p.add_argument("--partition-seconds", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=float, default=1800, help="wall-clock limit, s")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
