@@ -51,6 +51,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -657,10 +658,30 @@ def _pool_options(url: str) -> dict[str, Any]:
     return options
 
 
+class _Pool(aioredis.ConnectionPool):
+    """redis-py's pool, except that a connection reset while it sat idle in the pool
+    (an RST: a cut link, a NAT that dropped the flow) is replaced before its next use.
+
+    redis-py checks a pooled connection before handing it out, but with hiredis it sees
+    a closed one only at EOF: after an RST the stream holds the error instead, and the
+    next command failed ("Connection reset by peer") though nothing had been sent on it
+    and the server was reachable. Nothing is retried here: the dead connection is
+    dropped before anything is written to it.
+    """
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        reader = getattr(connection, "_reader", None)
+        if isinstance(reader, asyncio.StreamReader) and reader.exception() is not None:
+            await connection.disconnect()
+        await super().ensure_connection(connection)
+
+
+def _redis(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_pool(_Pool.from_url(url, **_pool_options(url)))
+
+
 def _pools(url: str) -> tuple[aioredis.Redis, aioredis.Redis]:
-    commands = aioredis.Redis.from_url(url, **_pool_options(url))
-    blocking = aioredis.Redis.from_url(url, **_pool_options(url))
-    return commands, blocking
+    return _redis(url), _redis(url)
 
 
 def _endpoint_of(pool: aioredis.ConnectionPool) -> resp.Endpoint:
