@@ -55,6 +55,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 C = "chaos"
+FAULTS = ("shard-kill", "worker-kill", "stop", "redis-restart", "cut", "blackhole", "partition")
 
 
 def grad(worker: int, step: int, var: int) -> np.ndarray:
@@ -544,11 +545,7 @@ class Chaos:
             "problems": problems,
             "workers": a.workers,
             "steps_per_worker": a.steps,
-            "faults": {
-                kind: sum(1 for e in self.events if e.get("fault") == kind)
-                for kind in ("shard-kill", "worker-kill", "stop", "redis-restart", "cut",
-                             "blackhole", "partition")
-            },
+            "faults": {k: sum(1 for e in self.events if e.get("fault") == k) for k in FAULTS},
             "connections_cut": sum(int(e.get("connections", 0)) for e in self.events),
             "restarts": {n: r.starts - 1 for n, r in self.roles.items()},
             "pushes_logged": a.workers * a.steps,
