@@ -21,6 +21,8 @@ A :class:`Client` made by :func:`connect` (a real server) talks to it two ways:
   large-element chunks, variables, the CLI...), with **no retries** (a retried
   ``EVALSHA`` could apply a state transition twice). ``client.blocking`` is redis-py's
   pool for blocking waits; with lean connections it is used only after :meth:`close`.
+  A pooled connection that was reset while idle (a cut link) is replaced before its
+  next use, as a dead lean connection is (see :class:`_Pool`).
 
 A :class:`Client` made by :func:`from_redis` (fakeredis in the tests, or any redis-py
 client) has no lean connections: scripts go through ``commands`` and waits through
