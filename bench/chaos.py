@@ -1,23 +1,33 @@
 """Chaos run: a PS job under injected faults, checked for exactly-once application.
 
-A dedicated ``redis-server`` (TCP, AOF on, fsync every second), two PS shard processes
-(``qps ps``, default lease) and W worker processes pushing SGD gradients whose values are
-known: worker k's step s sends ``[1, a, b]`` to variable ``w`` (shard 0) and ``[1, c, d]``
-to ``v`` (shard 1), with a..d random 20-bit integers drawn from (k, s), so every sum is
-exact in float64 and every message can be told apart. A worker appends each step to its
-log once the push returned; a restarted worker resumes after its last logged step.
+A dedicated ``redis-server`` (TCP, AOF on, fsync every second), a TCP proxy in front of
+it (in this process: every role connects through it, the driver's checks do not), two PS
+shard processes (``qps ps``, default lease) and W worker processes pushing SGD gradients
+whose values are known: worker k's step s sends ``[1, a, b]`` to variable ``w`` (shard
+0) and ``[1, c, d]`` to ``v`` (shard 1), in the k-th block of three of each variable's
+3W components (zeros elsewhere), with a..d random 20-bit integers drawn from (k, s), so
+every sum is exact in float64 and every message can be told apart. A worker appends
+each step to its log once the push returned; a restarted worker resumes after its last
+logged step.
 
 Faults, spread over the run at evenly spaced points of training progress, in random
 order: SIGKILL of a shard (restarted at once, as a process manager would), SIGKILL of a
 worker (restarted), SIGSTOP of a worker for ``--stop-seconds`` then SIGCONT (a
-straggler), and a Redis restart (SHUTDOWN: the AOF is fsynced; roles that lose their
-connection exit and are restarted). Any role that exits with an error is restarted.
+straggler), a Redis restart (SHUTDOWN: the AOF is fsynced; roles that lose their
+connection exit and are restarted), a connection cut (the proxy resets every connection
+it carries, an RST on both sides, and keeps accepting), a blackhole (the proxy forwards
+nothing for ``--blackhole-seconds``, connections left open, then cuts them) and a
+partition (it forwards nothing for ``--partition-seconds``, then resumes: nothing is
+lost on the wire, but leases may run out meanwhile). Any role that exits with an error
+is restarted.
 
 Checked at the end, after the job is marked finished and both shards exited 0:
 
 * exactly once: for each variable, its value and version equal the sum and count of
   every logged push plus a subset of the pushes that were in flight when their worker
-  died (they may or may not have landed); a lost or doubled message has no such subset;
+  died (they may or may not have landed); a lost or doubled message has no such subset
+  (searched for in each worker's block apart, by meet in the middle: see
+  :func:`find_subset`);
 * the global step equals ``w``'s version (one per shard-0 message);
 * no process left, and no key left after ``qps container reset``.
 
@@ -27,7 +37,8 @@ once (same host); see docs/ps.md.
 
     python bench/chaos.py                                  # 4 workers, 2,000 steps each
     python bench/chaos.py --workers 4 --steps 20000 --shard-kills 20 --worker-kills 10 \\
-        --stops 5 --redis-restarts 3 --json
+        --stops 5 --redis-restarts 3 --cuts 10 --blackholes 2 --partitions 2 \\
+        --partition-seconds 12 --json
 """
 
 from __future__ import annotations
@@ -57,24 +68,29 @@ C = "chaos"
 FAULTS = ("shard-kill", "worker-kill", "stop", "redis-restart", "cut", "blackhole", "partition")
 
 
-def grad(worker: int, step: int, var: int) -> np.ndarray:
-    """The gradient worker ``worker`` pushes at ``step`` for variable ``var`` (0: w, 1: v)."""
+def grad(worker: int, step: int, var: int, workers: int) -> np.ndarray:
+    """The gradient worker ``worker`` (of ``workers``) pushes at ``step`` for variable
+    ``var`` (0: w, 1: v): ``[1, a, b]`` in the worker's own block of three, zeros
+    elsewhere, so that each worker's sums can be checked apart."""
     rng = np.random.default_rng([worker, step, var])
     a, b = rng.integers(0, 1 << 20, size=2)
-    return np.array([1.0, float(a), float(b)], np.float64)
+    g = np.zeros(3 * workers, np.float64)
+    g[3 * worker : 3 * worker + 3] = [1.0, float(a), float(b)]
+    return g
 
 
 # -- the worker role ------------------------------------------------------------------------
 
 
-async def worker_main(url: str, worker: int, steps: int, log_path: str) -> None:
+async def worker_main(url: str, worker: int, workers: int, steps: int, log_path: str) -> None:
     import qps
 
     first = last_logged(log_path) + 1
     with open(log_path, "a", encoding="utf-8") as log:
         async with qps.Session(url, container=C, worker=f"w{worker}") as sess:
             for s in range(first, steps):
-                await sess.push({"w": grad(worker, s, 0), "v": grad(worker, s, 1)}, step=s)
+                grads = {"w": grad(worker, s, 0, workers), "v": grad(worker, s, 1, workers)}
+                await sess.push(grads, step=s)
                 log.write(f"{s}\n")
                 log.flush()
 
@@ -358,7 +374,8 @@ class Chaos:
         await control.configure(self.client, C, 2, SGD(learning_rate=1.0))
         async with qps.Session(client=self.client, container=C) as sess:
             for name in ("w", "v"):
-                await sess.variable(name, (3,), np.float64, initializer="zeros").create()
+                shape = (3 * self.args.workers,)
+                await sess.variable(name, shape, np.float64, initializer="zeros").create()
         placed = await control.place_variables(self.client, C, ["w", "v"])
         assert placed == {"w": 0, "v": 1}, placed
         py = sys.executable
@@ -373,7 +390,8 @@ class Chaos:
             self.roles[f"w{k}"] = Role(
                 f"w{k}",
                 [py, __file__, "--role", "worker", "--url", self.proxy.url, "--worker", str(k),
-                 "--steps", str(self.args.steps), "--log", self.log_path(k)],
+                 "--workers", str(self.args.workers), "--steps", str(self.args.steps),
+                 "--log", self.log_path(k)],
                 os.path.join(self.tmp, f"w{k}.out"),
             )  # fmt: skip
         for role in self.roles.values():
@@ -551,13 +569,20 @@ class Chaos:
         for vi, name in enumerate(("w", "v")):
             var = await qps.variables.open_variable(self.client, name, C)
             got = await var.read()
-            base = np.zeros(3)
+            base = np.zeros(3 * a.workers)
             for k, steps in logged.items():
                 for s in steps:
-                    base -= grad(k, s, vi)
+                    base -= grad(k, s, vi, a.workers)
             extra = got.version - a.workers * a.steps
-            items = [grad(k, s, vi) for k, s in self.in_flight]
-            landed = find_subset(items, base - got.value, extra)
+            landed: list[int] | None = []
+            for k in range(a.workers):  # each worker's block on its own
+                mine = [s for w, s in self.in_flight if w == k]
+                items = [grad(k, s, vi, a.workers)[3 * k : 3 * k + 3] for s in mine]
+                target = (base - got.value)[3 * k : 3 * k + 3]
+                found_k = find_subset(items, target, int(target[0]))
+                landed = None if found_k is None or landed is None else landed + found_k
+            if landed is not None and len(landed) != extra:
+                landed = None
             if landed is None:
                 problems.append(
                     f"{name}: version {got.version}, value {got.value.tolist()} match no "
@@ -660,7 +685,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="one line of JSON")
     args = p.parse_args()
     if args.role == "worker":
-        asyncio.run(worker_main(args.url, args.worker, args.steps, args.log))
+        asyncio.run(worker_main(args.url, args.worker, args.workers, args.steps, args.log))
         return
     sys.exit(asyncio.run(main_async(args)))
 
