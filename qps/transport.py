@@ -21,6 +21,8 @@ A :class:`Client` made by :func:`connect` (a real server) talks to it two ways:
   large-element chunks, variables, the CLI...), with **no retries** (a retried
   ``EVALSHA`` could apply a state transition twice). ``client.blocking`` is redis-py's
   pool for blocking waits; with lean connections it is used only after :meth:`close`.
+  A pooled connection that was reset while idle (a cut link) is replaced before its
+  next use, as a dead lean connection is (see :class:`_Pool`).
 
 A :class:`Client` made by :func:`from_redis` (fakeredis in the tests, or any redis-py
 client) has no lean connections: scripts go through ``commands`` and waits through
@@ -51,6 +53,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -657,10 +660,30 @@ def _pool_options(url: str) -> dict[str, Any]:
     return options
 
 
+class _Pool(aioredis.ConnectionPool):
+    """redis-py's pool, except that a connection reset while it sat idle in the pool
+    (an RST: a cut link, a NAT that dropped the flow) is replaced before its next use.
+
+    redis-py checks a pooled connection before handing it out, but with hiredis it sees
+    a closed one only at EOF: after an RST the stream holds the error instead, and the
+    next command failed ("Connection reset by peer") though nothing had been sent on it
+    and the server was reachable. Nothing is retried here: the dead connection is
+    dropped before anything is written to it.
+    """
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        reader = getattr(connection, "_reader", None)
+        if isinstance(reader, asyncio.StreamReader) and reader.exception() is not None:
+            await connection.disconnect()
+        await super().ensure_connection(connection)
+
+
+def _redis(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_pool(_Pool.from_url(url, **_pool_options(url)))
+
+
 def _pools(url: str) -> tuple[aioredis.Redis, aioredis.Redis]:
-    commands = aioredis.Redis.from_url(url, **_pool_options(url))
-    blocking = aioredis.Redis.from_url(url, **_pool_options(url))
-    return commands, blocking
+    return _redis(url), _redis(url)
 
 
 def _endpoint_of(pool: aioredis.ConnectionPool) -> resp.Endpoint:

@@ -604,7 +604,8 @@ class QueueBase:
         if status == b"expired":
             raise AbortedError(
                 f"the {what} attempt on '{self._name}' was taken for dead (its lease of "
-                f"{LEASE_MS} ms ran out while the event loop was stalled) and undone"
+                f"{LEASE_MS} ms ran out while the event loop was stalled or Redis was out "
+                "of reach) and undone"
             )
         return reply
 
