@@ -351,6 +351,8 @@ class Chaos:
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[float] = []
         self.pending_recovery: list[tuple[int, float]] = []  # (shard, kill time)
+        #: kills whose restarted shard found nothing left to apply (the job ended first)
+        self.idle_recoveries = 0
         self.client: Any = None
         self.redis_down = False
 
@@ -450,6 +452,21 @@ class Chaos:
                     self.recoveries.append(first - killed)
                     self.pending_recovery.remove(item)
 
+    async def settle_idle_recoveries(self) -> None:
+        """Once the shards have finished (every message applied, or the check says
+        otherwise): a kill after which no run of that shard applied a group had nothing
+        left to recover (the job ended first: the restarted shard found its queue closed
+        and drained); it has no recovery time, and is counted apart."""
+        from qps.ps import control
+
+        for item in list(self.pending_recovery):
+            shard, killed = item
+            st = await control.shard_status(self.client, C, shard)
+            first = int(st.fields.get("first_ms", 0) or 0) / 1000.0
+            if first < killed:  # 0: this run applied nothing
+                self.idle_recoveries += 1
+                self.pending_recovery.remove(item)
+
     # -- faults ----------------------------------------------------------------------------
     async def fault(self, kind: str) -> None:
         now = time.time()
@@ -539,6 +556,7 @@ class Chaos:
             while not all(r.done for r in shards):
                 await self.check_limit(t0)
                 await asyncio.sleep(0.1)
+            await self.settle_idle_recoveries()
             deadline = time.monotonic() + 30
             while self.pending_recovery and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -622,6 +640,7 @@ class Chaos:
                 "max": round(rec[-1], 3) if rec else None,
                 "all": [round(x, 3) for x in rec],
             },
+            "shards_idle_after_a_kill": self.idle_recoveries,
             "shards_not_recovered": len(self.pending_recovery),
         }
 

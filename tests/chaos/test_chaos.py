@@ -39,5 +39,7 @@ def test_faults_lose_nothing_and_apply_nothing_twice(seed: int) -> None:
         v = result["variables"][var]
         assert v["version"] == 2 * 300 + v["in_flight_landed"]
     assert result["global_step"] == result["variables"]["w"]["version"]
-    assert result["recovery_s"]["count"] == 3 and result["shards_not_recovered"] == 0
+    # each kill's restarted shard applied again, or (a kill near the end) found nothing left
+    assert result["recovery_s"]["count"] + result["shards_idle_after_a_kill"] == 3
+    assert result["shards_not_recovered"] == 0
     assert sum(result["restarts"].values()) >= 3 + 2  # the kills at least
