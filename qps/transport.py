@@ -58,7 +58,13 @@ from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qps import resp
-from qps.errors import InternalError, PermissionDeniedError, QpsError, UnavailableError
+from qps.errors import (
+    InternalError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    QpsError,
+    UnavailableError,
+)
 
 log = logging.getLogger("qps.transport")
 
@@ -201,6 +207,9 @@ class Client:
         self._idle: list[resp.Connection] = []  # waiters' connections, free
         self._busy: set[resp.Connection] = set()  # waiters' connections, in a BLPOP
         self._bulk: list[resp.BulkReader] = []  # large reads' connections, free
+
+    #: True for a Redis Cluster client (:func:`connect_cluster`).
+    cluster = False
 
     # -- identity -------------------------------------------------------------
     def new_id(self) -> str:
@@ -396,7 +405,7 @@ class Client:
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in commands:
-                pipe.execute_command(*c)
+                pipe.execute_command(*(_str_name(c) if self.cluster else c))
             replies = await pipe.execute() if commands else []
         reply = None if name is None else await self.run_script(name, keys, args)
         return replies, reply
@@ -440,7 +449,7 @@ class Client:
         with map_errors():
             pipe = self.blocking.pipeline(transaction=False)
             pipe.blpop([wake_key], timeout=block)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             replies = await pipe.execute(raise_on_error=False)
         reply = replies[1]
         if isinstance(reply, NoScriptError):
@@ -485,7 +494,7 @@ class Client:
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in after:
-                pipe.execute_command(*c)
+                pipe.execute_command(*(_str_name(c) if self.cluster else c))
             replies = await pipe.execute(raise_on_error=False)
         return reply, replies
 
@@ -697,7 +706,7 @@ def lean_endpoint(url: str) -> resp.Endpoint:
     return _endpoint_of(aioredis.ConnectionPool.from_url(url, **_pool_options(url)))
 
 
-async def connect(url: str | None = None) -> Client:
+async def connect(url: str | None = None, *, cluster: bool | None = None) -> Client:
     """Connect to Redis and return a :class:`Client`.
 
     ``url`` may be ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) or
@@ -705,8 +714,15 @@ async def connect(url: str | None = None) -> Client:
     an embedded server is started (or reused, when another process of this local run
     already started one; see :mod:`qps.embedded`).
 
+    A Redis Cluster is detected (``INFO cluster`` says ``cluster_enabled:1``) when the
+    URL names any of its nodes; ``cluster=True`` (or ``?cluster=yes`` in the URL) asks
+    for one explicitly and ``cluster=False`` (``?cluster=no``) skips the detection. See
+    :func:`connect_cluster`.
+
     Raises:
         UnavailableError: the server cannot be reached, or none can be started.
+        InvalidArgumentError: a bad ``cluster=`` URL parameter, or a cluster reached
+            through a unix socket or with a database other than 0.
     """
     owned = None
     url = url or os.environ.get(URL_ENV) or None
@@ -715,17 +731,139 @@ async def connect(url: str | None = None) -> Client:
 
         url, owned = await asyncio.to_thread(embedded.ensure_local_server)
     assert url is not None
+    url, asked = split_cluster_param(url)
+    if cluster is None:
+        cluster = asked
+    if cluster:
+        return await connect_cluster(url)
     commands, blocking = _pools(url)
     client = Client(commands, blocking, url=url, owned_server=owned)
     try:
         with map_errors():  # e.g. a TLS option naming a file that is missing
             client._endpoint = _endpoint_of(commands.connection_pool)
-        await client.ping()
+        if cluster is None and owned is None:
+            if await _cluster_enabled(client):  # instead of a PING: same round trips
+                await client.close()
+                return await connect_cluster(url)
+        else:
+            await client.ping()
         await client._open_lean()
     except QpsError as exc:
         await client.close()
         if isinstance(exc, UnavailableError):
             raise UnavailableError(f"cannot reach Redis at {redact_url(url)}: {exc}") from exc
+        raise
+    return client
+
+
+# -- Redis Cluster ------------------------------------------------------------------------
+#
+# A cluster client's ``commands`` and ``blocking`` are redis-py ``RedisCluster`` clients:
+# each command goes to the primary owning its key's slot, a non-transactional pipeline
+# is split by node (replies in order), SCAN, FLUSHALL and SCRIPT LOAD visit every
+# primary, and DEL/UNLINK/EXISTS split their keys by slot. Scripts run through
+# ``RedisCluster.evalsha`` (no lean connections yet): the slot of the first key picks
+# the node, and a MOVED/ASK/TRYAGAIN reply (the script did not run) refreshes the slot
+# map and resends; a connection error is not retried (``Retry(NoBackoff(), 0)``), like
+# the single-server path. Every qps script touches one hash tag, hence one slot.
+
+_TRUE = frozenset({"1", "yes", "true", "on"})
+_FALSE = frozenset({"0", "no", "false", "off"})
+
+
+def split_cluster_param(url: str) -> tuple[str, bool | None]:
+    """``url`` without its ``cluster=`` query parameter, and that parameter's value
+    (True, False, or None when absent). redis-py would refuse the parameter.
+
+    Raises:
+        InvalidArgumentError: a value other than yes/no/true/false/on/off/1/0.
+    """
+    if "cluster=" not in url.lower():
+        return url, None
+    base, _, query = url.partition("?")
+    fragment = ""
+    if "#" in query:
+        query, fragment = query.split("#", 1)
+        fragment = "#" + fragment
+    kept: list[str] = []
+    found: bool | None = None
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name.lower() != "cluster":
+            kept.append(part)
+            continue
+        v = value.lower()
+        if v not in _TRUE and v not in _FALSE:
+            raise InvalidArgumentError(
+                f"cluster= in the Redis URL must be yes or no (1/0, true/false), not {value!r}"
+            )
+        found = v in _TRUE
+    rest = "&".join(p for p in kept if p)
+    return (base + ("?" + rest if rest else "") + fragment), found
+
+
+def _str_name(command: Sequence[Any]) -> Sequence[Any]:
+    """``command`` with its name as a str: redis-py's cluster routing reads the name as
+    text (the lean connections' commands name themselves in bytes)."""
+    name = command[0]
+    return (name.decode(), *command[1:]) if isinstance(name, bytes) else command
+
+
+async def _cluster_enabled(client: Client) -> bool:
+    """Whether the server is a Redis Cluster node (``INFO cluster``), asked in place of
+    :meth:`Client.ping`; a server or user that refuses INFO is pinged and taken for a
+    single server.
+
+    Raises:
+        UnavailableError: the server cannot be reached.
+    """
+    try:
+        info = await client.commands.info("cluster")
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise translate(exc) from exc
+    except RedisError:  # e.g. NOPERM: INFO is a @dangerous command
+        await client.ping()
+        return False
+    return bool(int(info.get("cluster_enabled", 0) or 0))
+
+
+def _cluster_pools(url: str) -> tuple[aioredis.RedisCluster, aioredis.RedisCluster]:
+    if url.startswith("unix:"):
+        raise InvalidArgumentError(
+            f"Redis Cluster needs a redis:// or rediss:// URL, not {redact_url(url)}"
+        )
+    options = _pool_options(url)
+    try:
+        commands = aioredis.RedisCluster.from_url(url, **options)
+        blocking = aioredis.RedisCluster.from_url(url, **options)
+    except (RedisError, ValueError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"cannot use {redact_url(url)} for Redis Cluster: {exc}"
+        ) from exc
+    return commands, blocking
+
+
+async def connect_cluster(url: str) -> Client:
+    """A :class:`Client` of the Redis Cluster that ``url`` (any node) belongs to.
+
+    Raises:
+        UnavailableError: the cluster cannot be reached.
+        InvalidArgumentError: a unix socket URL, or a database other than 0.
+    """
+    commands, blocking = _cluster_pools(url)
+    client = Client(commands, blocking, url=url, pipelined_blocking=True)  # type: ignore[arg-type]
+    client.cluster = True
+    try:
+        with map_errors():
+            await commands.initialize()  # reads the slot map (CLUSTER SLOTS)
+            await blocking.initialize()
+        await client.ping()
+    except QpsError as exc:
+        await client.close()
+        if isinstance(exc, UnavailableError):
+            raise UnavailableError(
+                f"cannot reach Redis Cluster at {redact_url(url)}: {exc}"
+            ) from exc
         raise
     return client
 
