@@ -439,7 +439,10 @@ async def _counter_values(client: Client, container: str, names: list[str]) -> d
     if not names:
         return {}
     with map_errors():
-        raw = await client.commands.mget([keys.counter_key(container, n) for n in names])
+        counter_keys = [keys.counter_key(container, n) for n in names]
+        # each counter has a hash tag of its own: on a cluster, MGET per slot
+        mget = client.commands.mget_nonatomic if client.cluster else client.commands.mget
+        raw = await mget(counter_keys)
     return {
         n: _parse_int(v, f"counter '{container}/{n}'")
         for n, v in zip(names, raw, strict=True)

@@ -802,6 +802,21 @@ def split_cluster_param(url: str) -> tuple[str, bool | None]:
     return (base + ("?" + rest if rest else "") + fragment), found
 
 
+async def pipeline_script(
+    client: Client, pipe: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
+) -> None:
+    """Queue redis-py ``Script`` ``script`` on pipeline ``pipe`` of ``client.commands``.
+
+    On a single server this is ``script(keys, args, client=pipe)`` (redis-py loads the
+    script before the pipeline runs). redis-py's cluster pipeline cannot run scripts
+    that way: there it is queued as ``EVAL`` with the source, which needs no loading
+    (the keys of one qps script share one slot, which picks the node)."""
+    if client.cluster:
+        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    else:
+        await script(keys=keys, args=args, client=pipe)
+
+
 def _str_name(command: Sequence[Any]) -> Sequence[Any]:
     """``command`` with its name as a str: redis-py's cluster routing reads the name as
     text (the lean connections' commands name themselves in bytes)."""
