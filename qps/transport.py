@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -53,8 +54,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, RedisError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qps import resp
@@ -858,20 +865,248 @@ def _cluster_pools(url: str) -> tuple[aioredis.RedisCluster, aioredis.RedisClust
     return commands, blocking
 
 
-async def connect_cluster(url: str) -> Client:
-    """A :class:`Client` of the Redis Cluster that ``url`` (any node) belongs to.
+#: Redirections a lean call to a cluster node can get. MOVED: the slot belongs to
+#: another node, the command did not run; ASK/TRYAGAIN: the slot is being migrated.
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN"})
+
+
+def _redirect(exc: BaseException) -> str | None:
+    """The redirection code of a translated lean-connection error, else None."""
+    cause = exc.__cause__
+    if isinstance(cause, resp.ReplyError) and cause.code in _REDIRECTS:
+        return cause.code
+    return None
+
+
+class ClusterClient(Client):
+    """A :class:`Client` of a Redis Cluster (made by :func:`connect_cluster`).
+
+    ``commands`` and ``blocking`` are redis-py ``RedisCluster`` clients. The hot path
+    (the script calls of :class:`Client`) goes over lean connections to the primary
+    that owns the slot of the call's first key: one plain :class:`Client` per node
+    (``self._nodes``), found through redis-py's slot map. Every qps script and the
+    commands sent with it touch one hash tag, hence that one slot.
+
+    A ``MOVED`` reply means nothing of the call ran (the node no longer owns the slot,
+    so it refused every command of the call): the slot map is read again and the call
+    is sent once more to the new owner. Exception: :meth:`script_then_wait`, whose first
+    script may have run before a blocked ``BLPOP`` was cut by a move; it raises
+    :class:`UnavailableError` after the refresh, as a lost connection would (the
+    attempt's lease undoes what it left). ``ASK``/``TRYAGAIN`` (a slot in migration):
+    a lone script call goes through redis-py, which follows them; other calls raise
+    :class:`UnavailableError`.
+    """
+
+    cluster = True
+
+    def __init__(
+        self,
+        commands: Any,
+        blocking: Any,
+        *,
+        url: str,
+        base: resp.Endpoint | None,
+    ) -> None:
+        super().__init__(commands, blocking, url=url, pipelined_blocking=True)
+        self._slots: aioredis.RedisCluster = commands  # typed: the slot map's owner
+        #: the lean connections' settings with host/port left to each node; None: none
+        self._base = base
+        self._nodes: dict[str, Client] = {}  # node name -> its lean connections
+        self._route: dict[str, Client] = {}  # first key -> its node's client
+
+    # -- routing ---------------------------------------------------------------------
+    def _node_for(self, key: Any) -> Client | None:
+        """The plain client of the node owning ``key``'s slot; None: no lean path."""
+        got = self._route.get(key)
+        if got is not None:
+            return got
+        if self._base is None:
+            return None
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        node = self._slots.nodes_manager.get_node_from_slot(key_slot(raw))
+        child = self._nodes.get(node.name)
+        if child is None:
+            endpoint = dataclasses.replace(self._base, host=node.host, port=int(node.port))
+            child = Client(self.commands, self.blocking, url=self.url, endpoint=endpoint)
+            child.cluster = True
+            child.client_id = self.client_id  # attempt ids come from this client
+            child._scripts = self._scripts
+            self._nodes[node.name] = child
+        if len(self._route) < 100_000:
+            self._route[key] = child
+        return child
+
+    async def _refresh(self) -> None:
+        """Read the slot map again (after a redirection) and forget the routes."""
+        self._route.clear()
+        with map_errors():
+            await self._slots.nodes_manager.initialize()
+
+    # -- the hot path ------------------------------------------------------------------
+    async def run_script(self, name: str, keys: Sequence[str], args: ScriptArgs) -> Any:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().run_script(name, keys, args)
+        try:
+            return await child.run_script(name, keys, args)
+        except InternalError as exc:
+            code = _redirect(exc)
+            if code is None:
+                raise
+            await self._refresh()
+            if code != "MOVED":  # redis-py follows ASK and waits out TRYAGAIN
+                return await super().run_script(name, keys, args)
+        child = self._node_for(keys[0])
+        assert child is not None
+        return await child.run_script(name, keys, args)
+
+    async def run_commands_then_script(
+        self,
+        commands: Sequence[Sequence[Any]],
+        name: str | None,
+        keys: Sequence[str],
+        args: ScriptArgs,
+    ) -> tuple[list[Any], Any]:
+        child = self._node_for(keys[0]) if name is not None and keys else None
+        if child is None:  # plain commands alone may span slots: redis-py splits them
+            return await super().run_commands_then_script(commands, name, keys, args)
+        for attempt in (0, 1):
+            try:
+                return await child.run_commands_then_script(commands, name, keys, args)
+            except InternalError as exc:
+                # the commands sent with a script are idempotent writes or reads of its
+                # slot (a batch buffer, chunk reads): a MOVED call is sent again whole
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def run_script_then_commands(
+        self,
+        name: str,
+        keys: Sequence[str],
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]],
+    ) -> tuple[Any, list[Any]]:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().run_script_then_commands(name, keys, args, after)
+        for attempt in (0, 1):
+            try:
+                return await child.run_script_then_commands(name, keys, args, after)
+            except InternalError as exc:
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def wait_then_script(
+        self,
+        wake_key: str,
+        block_seconds: float,
+        name: str,
+        keys: Sequence[str],
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
+    ) -> Any:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().wait_then_script(wake_key, block_seconds, name, keys, args, after)
+        for attempt in (0, 1):
+            try:
+                return await child.wait_then_script(
+                    wake_key, block_seconds, name, keys, args, after
+                )
+            except InternalError as exc:
+                # a wake token popped before the move is lost, which a wait tolerates
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def script_then_wait(
+        self,
+        first: str,
+        keys: Sequence[str],
+        first_args: ScriptArgs,
+        wake_key: str,
+        block_seconds: float,
+        name: str,
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
+    ) -> tuple[Any, Any, list[Any]] | None:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return None
+        try:
+            return await child.script_then_wait(
+                first, keys, first_args, wake_key, block_seconds, name, args, after
+            )
+        except InternalError as exc:
+            await self._redirected(exc, 1)  # never sent again: ``first`` may have run
+            raise
+
+    async def read_into(
+        self, keys: Sequence[str], targets: Sequence[memoryview]
+    ) -> list[int | None] | None:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return None
+        try:
+            return await child.read_into(keys, targets)
+        except InternalError as exc:
+            if _redirect(exc) is None:
+                raise
+            await self._refresh()
+            return None  # the caller reads through redis-py, which follows redirections
+
+    async def _redirected(self, exc: InternalError, attempt: int) -> None:
+        """After a failed lean call: return if it may be sent again (a first MOVED;
+        the slot map is read again), else raise."""
+        code = _redirect(exc)
+        if code is None:
+            raise exc
+        await self._refresh()
+        if code != "MOVED" or attempt:
+            raise UnavailableError(
+                f"Redis Cluster redirected a call ({code}): a slot is being moved; try again"
+            ) from exc
+
+    async def _close_lean(self) -> None:
+        self._base = None
+        self._route.clear()
+        nodes = list(self._nodes.values())
+        self._nodes.clear()
+        for child in nodes:
+            await child._close_lean()
+        await super()._close_lean()
+
+
+async def connect_cluster(url: str, *, lean: bool = True) -> Client:
+    """A :class:`ClusterClient` of the Redis Cluster that ``url`` (any node) belongs to.
+
+    ``lean=False``: scripts go through redis-py's ``RedisCluster`` too (slower; for
+    comparison).
 
     Raises:
         UnavailableError: the cluster cannot be reached.
         InvalidArgumentError: a unix socket URL, or a database other than 0.
     """
     commands, blocking = _cluster_pools(url)
-    client = Client(commands, blocking, url=url, pipelined_blocking=True)  # type: ignore[arg-type]
-    client.cluster = True
+    client = ClusterClient(commands, blocking, url=url, base=None)
     try:
         with map_errors():
-            await commands.initialize()  # reads the slot map (CLUSTER SLOTS)
-            await blocking.initialize()
+            try:
+                await commands.initialize()  # reads the slot map (CLUSTER SLOTS)
+                await blocking.initialize()
+            except RedisClusterException as exc:
+                if isinstance(exc.__cause__, (RedisConnectionError, OSError)):
+                    raise UnavailableError(str(exc)) from exc
+                raise InvalidArgumentError(
+                    f"{redact_url(url)} is not a usable Redis Cluster node: {exc}"
+                ) from exc
+            if lean:  # the URL's settings (TLS, user, password...), any node's address
+                client._base = lean_endpoint(url)
         await client.ping()
     except QpsError as exc:
         await client.close()

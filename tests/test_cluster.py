@@ -1,0 +1,142 @@
+"""Redis Cluster specifics: detection, routing over lean connections per node, and
+following a slot that moved to another node.
+
+The tests that need a cluster run only when the cluster backend is on
+(``QPS_TEST_CLUSTER=1`` or ``cluster`` in ``QPS_TEST_BACKENDS``; see conftest.py);
+the rest of the suite runs on it through the ``client`` fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+import qps
+from qps import transport
+from qps.containers import reset
+from qps.errors import InvalidArgumentError
+from tests.conftest import BACKENDS
+
+needs_cluster = pytest.mark.skipif(
+    "cluster" not in BACKENDS, reason="the cluster backend is off (QPS_TEST_CLUSTER=1)"
+)
+
+
+@pytest.mark.parametrize(
+    ("url", "stripped", "flag"),
+    [
+        ("redis://h:1/0", "redis://h:1/0", None),
+        ("redis://h:1?cluster=yes", "redis://h:1", True),
+        ("redis://h:1/?cluster=0&ssl_cert_reqs=none", "redis://h:1/?ssl_cert_reqs=none", False),
+        ("rediss://h:1/?a=b&CLUSTER=True&c=d", "rediss://h:1/?a=b&c=d", True),
+    ],
+)
+def test_the_cluster_url_parameter_is_read_and_removed(url, stripped, flag) -> None:
+    assert transport.split_cluster_param(url) == (stripped, flag)
+
+
+def test_a_bad_cluster_url_parameter_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="cluster="):
+        transport.split_cluster_param("redis://h:1/?cluster=maybe")
+
+
+async def test_a_cluster_needs_a_tcp_url(redis_url: str) -> None:
+    if not redis_url.startswith("unix:"):
+        pytest.skip("the real backend is not on a unix socket")
+    with pytest.raises(InvalidArgumentError, match="redis://"):
+        await qps.connect(redis_url + "?cluster=yes")
+
+
+def _node(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=10)
+
+
+def _move_slot(cluster_url: str, key: str) -> tuple[str, str]:
+    """Migrate ``key``'s slot (with its keys) to another primary, as a resharding does;
+    return the addresses (host:port) of the old and the new owner."""
+    with redis.RedisCluster.from_url(cluster_url) as rc:
+        slot = rc.keyslot(key)
+        src = rc.nodes_manager.get_node_from_slot(slot)
+        dst = next(n for n in rc.get_primaries() if n.name != src.name)
+        primaries = [(n.host, n.port) for n in rc.get_primaries()]
+    with _node(f"redis://{src.host}:{src.port}") as s, _node(f"redis://{dst.host}:{dst.port}") as d:
+        src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while True:
+            names = s.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            if not names:
+                break
+            s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *names)
+    for host, port in primaries:
+        with _node(f"redis://{host}:{port}") as n:
+            n.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return src.name, dst.name
+
+
+def _child_of(client: Any, key: str) -> Any:
+    return client._node_for(key)
+
+
+@needs_cluster
+async def test_connect_detects_a_cluster_and_spreads_queues_over_its_nodes(
+    cluster_url: str,
+) -> None:
+    async with await qps.connect(cluster_url) as client:
+        await client.commands.flushall()
+        assert isinstance(client, transport.ClusterClient) and client.cluster
+        queues = [
+            qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name=f"spread{i}", client=client)
+            for i in range(12)
+        ]
+        for i, q in enumerate(queues):
+            await q.enqueue(i)
+        assert [int(await q.dequeue()) for q in queues] == list(range(12))
+        assert len(client._nodes) == 3  # lean connections to every primary
+        await reset(client, ["default"])  # SCAN and UNLINK on every primary
+        assert not [k async for k in client.commands.scan_iter(match="qps:{default*")]
+    async with await qps.connect(cluster_url + "?cluster=no") as plain:
+        assert type(plain) is transport.Client and not plain.cluster
+
+
+@needs_cluster
+async def test_a_stale_route_is_sent_again_after_moved(cluster_url: str) -> None:
+    async with await qps.connect(cluster_url) as client:
+        await client.commands.flushall()
+        q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="stale", client=client)
+        await q.enqueue(1)
+        meta = q._keys[0]
+        right = _child_of(client, meta)
+        # another node's lean client: the node of some key in another node's slot
+        wrong = next(c for i in range(1000) if (c := _child_of(client, f"x{{{i}}}")) is not right)
+        client._route[meta] = wrong  # as if the slot had moved away from ``right``
+        await q.enqueue(2)  # MOVED from the wrong node: nothing ran, sent again
+        assert client._route[meta] is right
+        client._route[meta] = wrong
+        assert [int(x) for x in await q.dequeue_many(2)] == [1, 2]
+        assert await q.size() == 0
+
+
+@needs_cluster
+async def test_a_queue_whose_slot_moves_keeps_working(cluster_url: str) -> None:
+    async with await qps.connect(cluster_url) as client, await qps.connect(cluster_url) as other:
+        await client.commands.flushall()
+        q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="moving", client=client)
+        p = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="moving", client=other)
+        await q.enqueue(1)
+        await q.enqueue(2)
+        assert int(await q.dequeue()) == 1
+        waiting = asyncio.ensure_future(p.dequeue_many(3))  # blocks: one element stored
+        await asyncio.sleep(0.3)
+        old, new = await asyncio.to_thread(_move_slot, cluster_url, q._keys[0])
+        assert old != new
+        await q.enqueue_many([np.array([3, 4])])  # MOVED, then sent to the new owner
+        got = await asyncio.wait_for(waiting, 15)
+        assert [int(x) for x in got] == [2, 3, 4]
+        assert int(await q.size()) == 0
+        stats = await q.stats()
+        assert stats.size == 0
