@@ -251,6 +251,10 @@ async def make_client(request: pytest.FixtureRequest) -> AsyncIterator[ClientFac
             made.append(c)
             return c
     else:
+        if request.param == "cluster":
+            marker = request.node.get_closest_marker("no_cluster")
+            if marker is not None:
+                pytest.skip(f"cluster backend: {marker.kwargs.get('reason', '')}")
         fixture = "cluster_url" if request.param == "cluster" else "redis_url"
         url = request.getfixturevalue(fixture)
         first = await transport.connect(url)

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 import qps
-from qps import transport
+from qps import checkpoint, transport
 from qps.containers import reset
-from qps.errors import InvalidArgumentError
+from qps.errors import FailedPreconditionError, InvalidArgumentError
 from tests.conftest import BACKENDS
 
 needs_cluster = pytest.mark.skipif(
@@ -101,6 +101,13 @@ async def test_connect_detects_a_cluster_and_spreads_queues_over_its_nodes(
         assert not [k async for k in client.commands.scan_iter(match="qps:{default*")]
     async with await qps.connect(cluster_url + "?cluster=no") as plain:
         assert type(plain) is transport.Client and not plain.cluster
+
+
+@needs_cluster
+async def test_checkpoints_are_refused_on_a_cluster(cluster_url: str, tmp_path: Any) -> None:
+    async with await qps.connect(cluster_url) as client:
+        with pytest.raises(FailedPreconditionError, match="Redis Cluster"):
+            await checkpoint.save(client, tmp_path / "ckpt")
 
 
 @needs_cluster
