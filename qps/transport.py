@@ -894,7 +894,9 @@ class ClusterClient(Client):
     :class:`UnavailableError` after the refresh, as a lost connection would (the
     attempt's lease undoes what it left). ``ASK``/``TRYAGAIN`` (a slot in migration):
     a lone script call goes through redis-py, which follows them; other calls raise
-    :class:`UnavailableError`.
+    :class:`UnavailableError`. A call that loses its node (connection refused or cut)
+    raises :class:`UnavailableError` as on a single server, and the slot map is read
+    again for the next call (after a failover: the promoted replica).
     """
 
     cluster = True
@@ -949,6 +951,9 @@ class ClusterClient(Client):
             return await super().run_script(name, keys, args)
         try:
             return await child.run_script(name, keys, args)
+        except UnavailableError:
+            await self._lost()
+            raise
         except InternalError as exc:
             code = _redirect(exc)
             if code is None:
@@ -973,6 +978,9 @@ class ClusterClient(Client):
         for attempt in (0, 1):
             try:
                 return await child.run_commands_then_script(commands, name, keys, args)
+            except UnavailableError:
+                await self._lost()
+                raise
             except InternalError as exc:
                 # the commands sent with a script are idempotent writes or reads of its
                 # slot (a batch buffer, chunk reads): a MOVED call is sent again whole
@@ -994,6 +1002,9 @@ class ClusterClient(Client):
         for attempt in (0, 1):
             try:
                 return await child.run_script_then_commands(name, keys, args, after)
+            except UnavailableError:
+                await self._lost()
+                raise
             except InternalError as exc:
                 await self._redirected(exc, attempt)
             child = self._node_for(keys[0])
@@ -1017,6 +1028,9 @@ class ClusterClient(Client):
                 return await child.wait_then_script(
                     wake_key, block_seconds, name, keys, args, after
                 )
+            except UnavailableError:
+                await self._lost()
+                raise
             except InternalError as exc:
                 # a wake token popped before the move is lost, which a wait tolerates
                 await self._redirected(exc, attempt)
@@ -1042,6 +1056,9 @@ class ClusterClient(Client):
             return await child.script_then_wait(
                 first, keys, first_args, wake_key, block_seconds, name, args, after
             )
+        except UnavailableError:
+            await self._lost()
+            raise
         except InternalError as exc:
             await self._redirected(exc, 1)  # never sent again: ``first`` may have run
             raise
@@ -1054,11 +1071,22 @@ class ClusterClient(Client):
             return None
         try:
             return await child.read_into(keys, targets)
+        except UnavailableError:
+            await self._lost()
+            raise
         except InternalError as exc:
             if _redirect(exc) is None:
                 raise
             await self._refresh()
             return None  # the caller reads through redis-py, which follows redirections
+
+    async def _lost(self) -> None:
+        """After a lean call lost its node (a failover, a node gone): read the slot map
+        again so that the next call goes to the slot's owner now; the failed call is
+        not sent again (it may have run)."""
+        self._route.clear()
+        with contextlib.suppress(Exception):
+            await self._slots.nodes_manager.initialize()
 
     async def _redirected(self, exc: InternalError, attempt: int) -> None:
         """After a failed lean call: return if it may be sent again (a first MOVED;

@@ -9,6 +9,7 @@ the rest of the suite runs on it through the ``client`` fixture.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import redis
 import qps
 from qps import checkpoint, transport
 from qps.containers import reset
-from qps.errors import FailedPreconditionError, InvalidArgumentError
+from qps.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from tests.conftest import BACKENDS
 
 needs_cluster = pytest.mark.skipif(
@@ -126,6 +127,32 @@ async def test_a_stale_route_is_sent_again_after_moved(cluster_url: str) -> None
         client._route[meta] = wrong
         assert [int(x) for x in await q.dequeue_many(2)] == [1, 2]
         assert await q.size() == 0
+
+
+@needs_cluster
+async def test_a_lost_node_fails_the_call_and_the_next_one_is_routed_again(
+    cluster_url: str,
+) -> None:
+    async with await qps.connect(cluster_url) as client:
+        await client.commands.flushall()
+        q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="lost", client=client)
+        await q.enqueue(1)
+        meta = q._keys[0]
+        right = _child_of(client, meta)
+        assert right._endpoint is not None
+        # a node that is gone (as after a failover): nothing listens on port 1
+        gone = transport.Client(
+            client.commands,
+            client.blocking,
+            url=client.url,
+            endpoint=dataclasses.replace(right._endpoint, port=1),
+        )
+        client._route[meta] = gone
+        with pytest.raises(UnavailableError):
+            await q.enqueue(2)
+        await q.enqueue(3)  # the slot map was read again: to the owner
+        assert client._route[meta] is right
+        assert [int(x) for x in await q.dequeue_many(2)] == [1, 3]
 
 
 @needs_cluster
