@@ -93,12 +93,14 @@ def redis_url() -> Iterator[str]:
 
 
 class LocalCluster:
-    """A Redis Cluster of ``masters`` primaries on free loopback ports, each node a
-    server process (the real backend's binary) in a directory of its own."""
+    """A Redis Cluster of ``masters`` primaries (and ``replicas`` replicas of each) on
+    free loopback ports, each node a server process (the real backend's binary) in a
+    directory of its own. ``ports``: the primaries first, then the replicas."""
 
-    def __init__(self, binary: str | None, masters: int = 3) -> None:
+    def __init__(self, binary: str | None, masters: int = 3, replicas: int = 0) -> None:
         self.binary = binary or embedded.find_server_binary()[0]
         self.masters = masters
+        self.replicas = replicas
         self.root = tempfile.mkdtemp(prefix="qpsc", dir="/tmp")
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -134,8 +136,9 @@ class LocalCluster:
         ) as r:
             return r.execute_command(*args)
 
-    def start(self, timeout: float = 30.0) -> None:
-        for i in range(self.masters):
+    def start(self, timeout: float = 60.0) -> None:
+        total = self.masters * (1 + self.replicas)
+        for i in range(total):
             port = self._free_port()
             node_dir = os.path.join(self.root, f"n{i}")
             os.mkdir(node_dir)
@@ -149,6 +152,7 @@ class LocalCluster:
                 "dir": node_dir,
                 "save": "",
                 "appendonly": "no",
+                "repl-diskless-sync-delay": "0",
                 "protected-mode": "no",
                 "daemonize": "no",
                 "logfile": os.path.join(node_dir, "server.log"),
@@ -177,24 +181,52 @@ class LocalCluster:
                         raise
                     time.sleep(0.02)
         per = 16384 // self.masters
-        for i, port in enumerate(self.ports):
+        for i, port in enumerate(self.ports[: self.masters]):
             first = i * per
             last = 16383 if i == self.masters - 1 else first + per - 1
             self._call(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
         for port in self.ports[1:]:
             self._call(self.ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
-        while True:  # until every node sees every node and every slot: state ok
-            infos = [self._call(p, "CLUSTER", "INFO") for p in self.ports]
-            texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all(
-                "cluster_state:ok" in t
-                and f"cluster_known_nodes:{self.masters}" in t
-                and "cluster_slots_ok:16384" in t
-                for t in texts
-            ):
-                return
+        self._until(end, lambda: self._all_ok(total), "every node sees every slot")
+        if not self.replicas:
+            return
+        ids = [self._text(self._call(p, "CLUSTER", "MYID")) for p in self.ports]
+        for k, port in enumerate(self.ports[self.masters :]):
+            self._call(port, "CLUSTER", "REPLICATE", ids[k % self.masters])
+        replicas = self.ports[self.masters :]
+
+        def replicated() -> bool:
+            links = all(
+                self._call(p, "INFO", "replication").get("master_link_status") == "up"
+                for p in replicas
+            )
+            roles = all(
+                self._text(self._call(p, "CLUSTER", "NODES")).count("slave") == len(replicas)
+                for p in self.ports
+            )
+            return links and roles and self._all_ok(total)
+
+        self._until(end, replicated, "every replica replicates and every node knows it")
+
+    @staticmethod
+    def _text(reply: Any) -> str:
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+    def _all_ok(self, total: int) -> bool:
+        """Every node sees every node and every slot served: ``cluster_state:ok``."""
+        texts = [self._text(self._call(p, "CLUSTER", "INFO")) for p in self.ports]
+        return all(
+            "cluster_state:ok" in t
+            and f"cluster_known_nodes:{total}" in t
+            and "cluster_slots_ok:16384" in t
+            for t in texts
+        )
+
+    def _until(self, end: float, ready: Callable[[], bool], what: str) -> None:
+        """Ask until ``ready()``; fail at ``end``."""
+        while not ready():
             if time.monotonic() > end:
-                raise RuntimeError(f"cluster not ready after {timeout} s: {texts}")
+                raise RuntimeError(f"Redis Cluster: not ready ({what}): {self._logs()}")
             time.sleep(0.05)
 
     def _logs(self) -> str:
@@ -220,18 +252,27 @@ class LocalCluster:
 
 
 @pytest.fixture(scope="session")
-def cluster_url() -> Iterator[str]:
-    """URL of one node of a 3-master Redis Cluster for this test session."""
-    url = os.environ.get("QPS_TEST_CLUSTER_URL")
-    if url:
-        yield url
+def local_cluster() -> Iterator[LocalCluster | None]:
+    """The 3-master Redis Cluster this test session started (with a replica of each
+    primary when ``QPS_TEST_CLUSTER_REPLICAS=1``); None with ``QPS_TEST_CLUSTER_URL``."""
+    if os.environ.get("QPS_TEST_CLUSTER_URL"):
+        yield None
         return
-    cluster = LocalCluster(_test_server_binary())
+    replicas = int(os.environ.get("QPS_TEST_CLUSTER_REPLICAS", "0") or 0)
+    cluster = LocalCluster(_test_server_binary(), replicas=replicas)
     try:
         cluster.start()
-        yield cluster.url
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_url(local_cluster: LocalCluster | None) -> str:
+    """URL of one node of a Redis Cluster for this test session."""
+    if local_cluster is None:
+        return os.environ["QPS_TEST_CLUSTER_URL"]
+    return local_cluster.url
 
 
 ClientFactory = Callable[[], Awaitable[transport.Client]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -174,3 +175,53 @@ async def test_a_queue_whose_slot_moves_keeps_working(cluster_url: str) -> None:
         assert int(await q.size()) == 0
         stats = await q.stats()
         assert stats.size == 0
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _failover(cluster: Any, key: str) -> tuple[str, str]:
+    """Promote the replica of ``key``'s primary (``CLUSTER FAILOVER``: coordinated, no
+    write lost) and wait until every node names it the slot's owner; return the
+    addresses (host:port) of the old and the new primary."""
+    with redis.RedisCluster.from_url(cluster.url) as rc:
+        slot = rc.keyslot(key)
+        old = rc.nodes_manager.get_node_from_slot(slot)
+    with _node(f"redis://{old.host}:{old.port}") as o:
+        old_id = o.execute_command("CLUSTER MYID")
+        replicas = o.execute_command("CLUSTER REPLICAS", old_id)  # {"host:port": {...}}
+    host, port = next(iter(replicas)).rsplit(":", 1)
+    with _node(f"redis://{host}:{port}") as r:
+        r.execute_command("CLUSTER FAILOVER")
+    new = f"{host}:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # until every node says so
+        owners = set()
+        for p in cluster.ports:
+            with _node(f"redis://127.0.0.1:{p}") as n:
+                # [[first, last, [host, port, id], replicas...], ...]
+                for first, last, primary, *_ in n.execute_command("CLUSTER SLOTS"):
+                    if first <= slot <= last:
+                        owners.add(f"{_text(primary[0])}:{primary[1]}")
+        if owners == {new}:
+            return old.name, new
+        assert time.monotonic() < deadline, f"failover not seen everywhere: {owners}"
+        time.sleep(0.05)
+
+
+@needs_cluster
+async def test_a_failover_is_followed(local_cluster: Any) -> None:
+    if local_cluster is None or not local_cluster.replicas:
+        pytest.skip("needs the test cluster's replicas (QPS_TEST_CLUSTER_REPLICAS=1)")
+    async with await qps.connect(local_cluster.url) as client:
+        await client.commands.flushall()
+        q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="failover", client=client)
+        await q.enqueue(1)
+        before = _child_of(client, q._keys[0])
+        old, new = await asyncio.to_thread(_failover, local_cluster, q._keys[0])
+        assert old != new
+        await q.enqueue(2)  # the old primary, now a replica, answers MOVED: sent again
+        after = _child_of(client, q._keys[0])
+        assert after is not before and after._endpoint.port == int(new.rsplit(":", 1)[1])
+        assert [int(x) for x in await q.dequeue_many(2)] == [1, 2]
