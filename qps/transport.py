@@ -101,8 +101,12 @@ _STRIPPED_CODES = frozenset(
 )  # fmt: skip
 
 
-def translate(exc: RedisError | OSError | resp.ReplyError) -> QpsError:
+def translate(exc: RedisError | RedisClusterException | OSError | resp.ReplyError) -> QpsError:
     """The qps error for a redis-py, lean-connection or socket exception."""
+    if isinstance(exc, RedisClusterException):  # not a RedisError: redis-py's cluster layer
+        if isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError, OSError)):
+            return UnavailableError(f"Redis Cluster is unreachable: {exc}")
+        return InternalError(f"unexpected Redis Cluster error: {exc}")
     if isinstance(exc, resp.ReplyError):
         text, code = str(exc), exc.code
         unavailable = code in _UNAVAILABLE_CODES or text in _UNAVAILABLE_TEXTS
@@ -127,7 +131,7 @@ def map_errors() -> Any:
         yield
     except QpsError:  # already ours (UnavailableError is an OSError too)
         raise
-    except (RedisError, OSError, resp.ReplyError) as exc:
+    except (RedisError, RedisClusterException, OSError, resp.ReplyError) as exc:
         raise translate(exc) from exc
 
 
@@ -266,7 +270,7 @@ class Client:
             except NoScriptError:
                 await self.commands.script_load(script.source)
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise translate(exc) from exc
 
     @staticmethod
@@ -768,11 +772,11 @@ async def connect(url: str | None = None, *, cluster: bool | None = None) -> Cli
 # A cluster client's ``commands`` and ``blocking`` are redis-py ``RedisCluster`` clients:
 # each command goes to the primary owning its key's slot, a non-transactional pipeline
 # is split by node (replies in order), SCAN, FLUSHALL and SCRIPT LOAD visit every
-# primary, and DEL/UNLINK/EXISTS split their keys by slot. Scripts run through
-# ``RedisCluster.evalsha`` (no lean connections yet): the slot of the first key picks
-# the node, and a MOVED/ASK/TRYAGAIN reply (the script did not run) refreshes the slot
-# map and resends; a connection error is not retried (``Retry(NoBackoff(), 0)``), like
-# the single-server path. Every qps script touches one hash tag, hence one slot.
+# primary, and DEL/UNLINK/EXISTS split their keys by slot. redis-py follows MOVED/ASK/
+# TRYAGAIN (the command did not run) and does not retry after a connection error
+# (``Retry(NoBackoff(), 0)``), like the single-server path. The hot path (scripts and
+# blocking waits) goes over lean connections per primary: see ClusterClient. Every qps
+# script touches one hash tag, hence one slot.
 
 _TRUE = frozenset({"1", "yes", "true", "on"})
 _FALSE = frozenset({"0", "no", "false", "off"})
@@ -858,7 +862,7 @@ def _cluster_pools(url: str) -> tuple[aioredis.RedisCluster, aioredis.RedisClust
     try:
         commands = aioredis.RedisCluster.from_url(url, **options)
         blocking = aioredis.RedisCluster.from_url(url, **options)
-    except (RedisError, ValueError, TypeError) as exc:
+    except (RedisError, RedisClusterException, ValueError, TypeError) as exc:
         raise InvalidArgumentError(
             f"cannot use {redact_url(url)} for Redis Cluster: {exc}"
         ) from exc

@@ -46,6 +46,11 @@ def test_a_bad_cluster_url_parameter_is_refused() -> None:
         transport.split_cluster_param("redis://h:1/?cluster=maybe")
 
 
+async def test_a_cluster_has_only_database_0() -> None:
+    with pytest.raises(InvalidArgumentError, match="db"):
+        await qps.connect("redis://127.0.0.1:1/3?cluster=yes")
+
+
 async def test_a_cluster_needs_a_tcp_url(redis_url: str) -> None:
     if not redis_url.startswith("unix:"):
         pytest.skip("the real backend is not on a unix socket")
