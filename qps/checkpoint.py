@@ -363,12 +363,19 @@ async def save(
         progress: called with (variables read, variables) after each one is read.
 
     Raises:
-        FailedPreconditionError: ``directory`` exists already.
+        FailedPreconditionError: ``directory`` exists already, or ``client`` is a Redis
+            Cluster client (not supported yet).
         NotFoundError: the container holds no variables.
         DataLossError: a variable's stored state is incomplete (nothing is written).
     """
     client, cont = _client_and_container(session_or_client, container)
     cont = keys.check_container(cont or keys.DEFAULT_CONTAINER)
+    if client.cluster:
+        raise FailedPreconditionError(
+            "checkpoints do not work on Redis Cluster yet: the snapshot is one MULTI/EXEC "
+            "over every variable and counter of the container, which a cluster refuses "
+            "across slots (docs/deployment.md, 'Redis Cluster')"
+        )
     snap_id = secrets.token_hex(8)
     snap = await _snapshot(client, cont, snap_id)
     try:

@@ -18,7 +18,7 @@ import logging
 import operator
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from qps import keys
 from qps.errors import InternalError, InvalidArgumentError, NotFoundError, OutOfRangeError
@@ -439,7 +439,10 @@ async def _counter_values(client: Client, container: str, names: list[str]) -> d
     if not names:
         return {}
     with map_errors():
-        raw = await client.commands.mget([keys.counter_key(container, n) for n in names])
+        counter_keys = [keys.counter_key(container, n) for n in names]
+        # each counter has a hash tag of its own: on a cluster, MGET per slot
+        mget = cast(Any, client.commands).mget_nonatomic if client.cluster else client.commands.mget
+        raw = await mget(counter_keys)
     return {
         n: _parse_int(v, f"counter '{container}/{n}'")
         for n, v in zip(names, raw, strict=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -56,12 +57,24 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, RedisError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qps import resp
-from qps.errors import InternalError, PermissionDeniedError, QpsError, UnavailableError
+from qps.errors import (
+    InternalError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    QpsError,
+    UnavailableError,
+)
 
 log = logging.getLogger("qps.transport")
 
@@ -91,8 +104,12 @@ _STRIPPED_CODES = frozenset(
 )  # fmt: skip
 
 
-def translate(exc: RedisError | OSError | resp.ReplyError) -> QpsError:
+def translate(exc: RedisError | RedisClusterException | OSError | resp.ReplyError) -> QpsError:
     """The qps error for a redis-py, lean-connection or socket exception."""
+    if isinstance(exc, RedisClusterException):  # not a RedisError: redis-py's cluster layer
+        if isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError, OSError)):
+            return UnavailableError(f"Redis Cluster is unreachable: {exc}")
+        return InternalError(f"unexpected Redis Cluster error: {exc}")
     if isinstance(exc, resp.ReplyError):
         text, code = str(exc), exc.code
         unavailable = code in _UNAVAILABLE_CODES or text in _UNAVAILABLE_TEXTS
@@ -117,7 +134,7 @@ def map_errors() -> Any:
         yield
     except QpsError:  # already ours (UnavailableError is an OSError too)
         raise
-    except (RedisError, OSError, resp.ReplyError) as exc:
+    except (RedisError, RedisClusterException, OSError, resp.ReplyError) as exc:
         raise translate(exc) from exc
 
 
@@ -205,6 +222,9 @@ class Client:
         self._busy: set[resp.Connection] = set()  # waiters' connections, in a BLPOP
         self._bulk: list[resp.BulkReader] = []  # large reads' connections, free
 
+    #: True for a Redis Cluster client (:func:`connect_cluster`).
+    cluster = False
+
     # -- identity -------------------------------------------------------------
     def new_id(self) -> str:
         """A process-unique attempt id (client id + counter)."""
@@ -253,7 +273,7 @@ class Client:
             except NoScriptError:
                 await self.commands.script_load(script.source)
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise translate(exc) from exc
 
     @staticmethod
@@ -399,7 +419,7 @@ class Client:
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in commands:
-                pipe.execute_command(*c)
+                pipe.execute_command(*(_str_name(c) if self.cluster else c))
             replies = await pipe.execute() if commands else []
         reply = None if name is None else await self.run_script(name, keys, args)
         return replies, reply
@@ -443,7 +463,7 @@ class Client:
         with map_errors():
             pipe = self.blocking.pipeline(transaction=False)
             pipe.blpop([wake_key], timeout=block)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             replies = await pipe.execute(raise_on_error=False)
         reply = replies[1]
         if isinstance(reply, NoScriptError):
@@ -488,7 +508,7 @@ class Client:
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in after:
-                pipe.execute_command(*c)
+                pipe.execute_command(*(_str_name(c) if self.cluster else c))
             replies = await pipe.execute(raise_on_error=False)
         return reply, replies
 
@@ -720,7 +740,7 @@ def lean_endpoint(url: str) -> resp.Endpoint:
     return _endpoint_of(aioredis.ConnectionPool.from_url(url, **_pool_options(url)))
 
 
-async def connect(url: str | None = None) -> Client:
+async def connect(url: str | None = None, *, cluster: bool | None = None) -> Client:
     """Connect to Redis and return a :class:`Client`.
 
     ``url`` may be ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) or
@@ -728,8 +748,15 @@ async def connect(url: str | None = None) -> Client:
     an embedded server is started (or reused, when another process of this local run
     already started one; see :mod:`qps.embedded`).
 
+    A Redis Cluster is detected (``INFO cluster`` says ``cluster_enabled:1``) when the
+    URL names any of its nodes; ``cluster=True`` (or ``?cluster=yes`` in the URL) asks
+    for one explicitly and ``cluster=False`` (``?cluster=no``) skips the detection. See
+    :func:`connect_cluster`.
+
     Raises:
         UnavailableError: the server cannot be reached, or none can be started.
+        InvalidArgumentError: a bad ``cluster=`` URL parameter, or a cluster reached
+            through a unix socket or with a database other than 0.
     """
     owned = None
     url = url or os.environ.get(URL_ENV) or None
@@ -738,17 +765,410 @@ async def connect(url: str | None = None) -> Client:
 
         url, owned = await asyncio.to_thread(embedded.ensure_local_server)
     assert url is not None
+    url, asked = split_cluster_param(url)
+    if cluster is None:
+        cluster = asked
+    if cluster:
+        return await connect_cluster(url)
     commands, blocking = _pools(url)
     client = Client(commands, blocking, url=url, owned_server=owned)
     try:
         with map_errors():  # e.g. a TLS option naming a file that is missing
             client._endpoint = _endpoint_of(commands.connection_pool)
-        await client.ping()
+        if cluster is None and owned is None:
+            if await _cluster_enabled(client):  # instead of a PING: same round trips
+                await client.close()
+                return await connect_cluster(url)
+        else:
+            await client.ping()
         await client._open_lean()
     except QpsError as exc:
         await client.close()
         if isinstance(exc, UnavailableError):
             raise UnavailableError(f"cannot reach Redis at {redact_url(url)}: {exc}") from exc
+        raise
+    return client
+
+
+# -- Redis Cluster ------------------------------------------------------------------------
+#
+# A cluster client's ``commands`` and ``blocking`` are redis-py ``RedisCluster`` clients:
+# each command goes to the primary owning its key's slot, a non-transactional pipeline
+# is split by node (replies in order), SCAN, FLUSHALL and SCRIPT LOAD visit every
+# primary, and DEL/UNLINK/EXISTS split their keys by slot. redis-py follows MOVED/ASK/
+# TRYAGAIN (the command did not run) and does not retry after a connection error
+# (``Retry(NoBackoff(), 0)``), like the single-server path. The hot path (scripts and
+# blocking waits) goes over lean connections per primary: see ClusterClient. Every qps
+# script touches one hash tag, hence one slot.
+
+_TRUE = frozenset({"1", "yes", "true", "on"})
+_FALSE = frozenset({"0", "no", "false", "off"})
+
+
+def split_cluster_param(url: str) -> tuple[str, bool | None]:
+    """``url`` without its ``cluster=`` query parameter, and that parameter's value
+    (True, False, or None when absent). redis-py would refuse the parameter.
+
+    Raises:
+        InvalidArgumentError: a value other than yes/no/true/false/on/off/1/0.
+    """
+    if "cluster=" not in url.lower():
+        return url, None
+    base, _, query = url.partition("?")
+    fragment = ""
+    if "#" in query:
+        query, fragment = query.split("#", 1)
+        fragment = "#" + fragment
+    kept: list[str] = []
+    found: bool | None = None
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name.lower() != "cluster":
+            kept.append(part)
+            continue
+        v = value.lower()
+        if v not in _TRUE and v not in _FALSE:
+            raise InvalidArgumentError(
+                f"cluster= in the Redis URL must be yes or no (1/0, true/false), not {value!r}"
+            )
+        found = v in _TRUE
+    rest = "&".join(p for p in kept if p)
+    return (base + ("?" + rest if rest else "") + fragment), found
+
+
+async def pipeline_script(
+    client: Client, pipe: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
+) -> None:
+    """Queue redis-py ``Script`` ``script`` on pipeline ``pipe`` of ``client.commands``.
+
+    On a single server this is ``script(keys, args, client=pipe)`` (redis-py loads the
+    script before the pipeline runs). redis-py's cluster pipeline cannot run scripts
+    that way: there it is queued as ``EVAL`` with the source, which needs no loading
+    (the keys of one qps script share one slot, which picks the node)."""
+    if client.cluster:
+        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    else:
+        await script(keys=keys, args=args, client=pipe)
+
+
+def _str_name(command: Sequence[Any]) -> Sequence[Any]:
+    """``command`` with its name as a str: redis-py's cluster routing reads the name as
+    text (the lean connections' commands name themselves in bytes)."""
+    name = command[0]
+    return (name.decode(), *command[1:]) if isinstance(name, bytes) else command
+
+
+async def _cluster_enabled(client: Client) -> bool:
+    """Whether the server is a Redis Cluster node (``INFO cluster``), asked in place of
+    :meth:`Client.ping`; a server or user that refuses INFO is pinged and taken for a
+    single server.
+
+    Raises:
+        UnavailableError: the server cannot be reached.
+    """
+    try:
+        info = await client.commands.info("cluster")
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise translate(exc) from exc
+    except RedisError:  # e.g. NOPERM: INFO is a @dangerous command
+        await client.ping()
+        return False
+    return bool(int(info.get("cluster_enabled", 0) or 0))
+
+
+def _cluster_pools(url: str) -> tuple[aioredis.RedisCluster, aioredis.RedisCluster]:
+    if url.startswith("unix:"):
+        raise InvalidArgumentError(
+            f"Redis Cluster needs a redis:// or rediss:// URL, not {redact_url(url)}"
+        )
+    options = _pool_options(url)
+    try:
+        commands = aioredis.RedisCluster.from_url(url, **options)
+        blocking = aioredis.RedisCluster.from_url(url, **options)
+    except (RedisError, RedisClusterException, ValueError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"cannot use {redact_url(url)} for Redis Cluster: {exc}"
+        ) from exc
+    return commands, blocking
+
+
+#: Redirections a lean call to a cluster node can get. MOVED: the slot belongs to
+#: another node, the command did not run; ASK/TRYAGAIN: the slot is being migrated.
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN"})
+
+
+def _redirect(exc: BaseException) -> str | None:
+    """The redirection code of a translated lean-connection error, else None."""
+    cause = exc.__cause__
+    if isinstance(cause, resp.ReplyError) and cause.code in _REDIRECTS:
+        return cause.code
+    return None
+
+
+class ClusterClient(Client):
+    """A :class:`Client` of a Redis Cluster (made by :func:`connect_cluster`).
+
+    ``commands`` and ``blocking`` are redis-py ``RedisCluster`` clients. The hot path
+    (the script calls of :class:`Client`) goes over lean connections to the primary
+    that owns the slot of the call's first key: one plain :class:`Client` per node
+    (``self._nodes``), found through redis-py's slot map. Every qps script and the
+    commands sent with it touch one hash tag, hence that one slot.
+
+    A ``MOVED`` reply means nothing of the call ran (the node no longer owns the slot,
+    so it refused every command of the call): the slot map is read again and the call
+    is sent once more to the new owner. Exception: :meth:`script_then_wait`, whose first
+    script may have run before a blocked ``BLPOP`` was cut by a move; it raises
+    :class:`UnavailableError` after the refresh, as a lost connection would (the
+    attempt's lease undoes what it left). ``ASK``/``TRYAGAIN`` (a slot in migration):
+    a lone script call goes through redis-py, which follows them; other calls raise
+    :class:`UnavailableError`. A call that loses its node (connection refused or cut)
+    raises :class:`UnavailableError` as on a single server, and the slot map is read
+    again for the next call (after a failover: the promoted replica).
+    """
+
+    cluster = True
+
+    def __init__(
+        self,
+        commands: Any,
+        blocking: Any,
+        *,
+        url: str,
+        base: resp.Endpoint | None,
+    ) -> None:
+        super().__init__(commands, blocking, url=url, pipelined_blocking=True)
+        self._slots: aioredis.RedisCluster = commands  # typed: the slot map's owner
+        #: the lean connections' settings with host/port left to each node; None: none
+        self._base = base
+        self._nodes: dict[str, Client] = {}  # node name -> its lean connections
+        self._route: dict[str, Client] = {}  # first key -> its node's client
+
+    # -- routing ---------------------------------------------------------------------
+    def _node_for(self, key: Any) -> Client | None:
+        """The plain client of the node owning ``key``'s slot; None: no lean path."""
+        got = self._route.get(key)
+        if got is not None:
+            return got
+        if self._base is None:
+            return None
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        node = self._slots.nodes_manager.get_node_from_slot(key_slot(raw))
+        child = self._nodes.get(node.name)
+        if child is None:
+            endpoint = dataclasses.replace(self._base, host=node.host, port=int(node.port))
+            child = Client(self.commands, self.blocking, url=self.url, endpoint=endpoint)
+            child.cluster = True
+            child.client_id = self.client_id  # attempt ids come from this client
+            child._scripts = self._scripts
+            self._nodes[node.name] = child
+        if len(self._route) < 100_000:
+            self._route[key] = child
+        return child
+
+    async def _refresh(self) -> None:
+        """Read the slot map again (after a redirection) and forget the routes."""
+        self._route.clear()
+        with map_errors():
+            await self._slots.nodes_manager.initialize()
+
+    # -- the hot path ------------------------------------------------------------------
+    async def run_script(self, name: str, keys: Sequence[str], args: ScriptArgs) -> Any:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().run_script(name, keys, args)
+        try:
+            return await child.run_script(name, keys, args)
+        except UnavailableError:
+            await self._lost()
+            raise
+        except InternalError as exc:
+            code = _redirect(exc)
+            if code is None:
+                raise
+            await self._refresh()
+            if code != "MOVED":  # redis-py follows ASK and waits out TRYAGAIN
+                return await super().run_script(name, keys, args)
+        child = self._node_for(keys[0])
+        assert child is not None
+        return await child.run_script(name, keys, args)
+
+    async def run_commands_then_script(
+        self,
+        commands: Sequence[Sequence[Any]],
+        name: str | None,
+        keys: Sequence[str],
+        args: ScriptArgs,
+    ) -> tuple[list[Any], Any]:
+        child = self._node_for(keys[0]) if name is not None and keys else None
+        if child is None:  # plain commands alone may span slots: redis-py splits them
+            return await super().run_commands_then_script(commands, name, keys, args)
+        for attempt in (0, 1):
+            try:
+                return await child.run_commands_then_script(commands, name, keys, args)
+            except UnavailableError:
+                await self._lost()
+                raise
+            except InternalError as exc:
+                # the commands sent with a script are idempotent writes or reads of its
+                # slot (a batch buffer, chunk reads): a MOVED call is sent again whole
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def run_script_then_commands(
+        self,
+        name: str,
+        keys: Sequence[str],
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]],
+    ) -> tuple[Any, list[Any]]:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().run_script_then_commands(name, keys, args, after)
+        for attempt in (0, 1):
+            try:
+                return await child.run_script_then_commands(name, keys, args, after)
+            except UnavailableError:
+                await self._lost()
+                raise
+            except InternalError as exc:
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def wait_then_script(
+        self,
+        wake_key: str,
+        block_seconds: float,
+        name: str,
+        keys: Sequence[str],
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
+    ) -> Any:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return await super().wait_then_script(wake_key, block_seconds, name, keys, args, after)
+        for attempt in (0, 1):
+            try:
+                return await child.wait_then_script(
+                    wake_key, block_seconds, name, keys, args, after
+                )
+            except UnavailableError:
+                await self._lost()
+                raise
+            except InternalError as exc:
+                # a wake token popped before the move is lost, which a wait tolerates
+                await self._redirected(exc, attempt)
+            child = self._node_for(keys[0])
+            assert child is not None
+        raise AssertionError("unreachable")
+
+    async def script_then_wait(
+        self,
+        first: str,
+        keys: Sequence[str],
+        first_args: ScriptArgs,
+        wake_key: str,
+        block_seconds: float,
+        name: str,
+        args: ScriptArgs,
+        after: Sequence[Sequence[Any]] = (),
+    ) -> tuple[Any, Any, list[Any]] | None:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return None
+        try:
+            return await child.script_then_wait(
+                first, keys, first_args, wake_key, block_seconds, name, args, after
+            )
+        except UnavailableError:
+            await self._lost()
+            raise
+        except InternalError as exc:
+            await self._redirected(exc, 1)  # never sent again: ``first`` may have run
+            raise
+
+    async def read_into(
+        self, keys: Sequence[str], targets: Sequence[memoryview]
+    ) -> list[int | None] | None:
+        child = self._node_for(keys[0]) if keys else None
+        if child is None:
+            return None
+        try:
+            return await child.read_into(keys, targets)
+        except UnavailableError:
+            await self._lost()
+            raise
+        except InternalError as exc:
+            if _redirect(exc) is None:
+                raise
+            await self._refresh()
+            return None  # the caller reads through redis-py, which follows redirections
+
+    async def _lost(self) -> None:
+        """After a lean call lost its node (a failover, a node gone): read the slot map
+        again so that the next call goes to the slot's owner now; the failed call is
+        not sent again (it may have run)."""
+        self._route.clear()
+        with contextlib.suppress(Exception):
+            await self._slots.nodes_manager.initialize()
+
+    async def _redirected(self, exc: InternalError, attempt: int) -> None:
+        """After a failed lean call: return if it may be sent again (a first MOVED;
+        the slot map is read again), else raise."""
+        code = _redirect(exc)
+        if code is None:
+            raise exc
+        await self._refresh()
+        if code != "MOVED" or attempt:
+            raise UnavailableError(
+                f"Redis Cluster redirected a call ({code}): a slot is being moved; try again"
+            ) from exc
+
+    async def _close_lean(self) -> None:
+        self._base = None
+        self._route.clear()
+        nodes = list(self._nodes.values())
+        self._nodes.clear()
+        for child in nodes:
+            await child._close_lean()
+        await super()._close_lean()
+
+
+async def connect_cluster(url: str, *, lean: bool = True) -> Client:
+    """A :class:`ClusterClient` of the Redis Cluster that ``url`` (any node) belongs to.
+
+    ``lean=False``: scripts go through redis-py's ``RedisCluster`` too (slower; for
+    comparison).
+
+    Raises:
+        UnavailableError: the cluster cannot be reached.
+        InvalidArgumentError: a unix socket URL, or a database other than 0.
+    """
+    commands, blocking = _cluster_pools(url)
+    client = ClusterClient(commands, blocking, url=url, base=None)
+    try:
+        with map_errors():
+            try:
+                await commands.initialize()  # reads the slot map (CLUSTER SLOTS)
+                await blocking.initialize()
+            except RedisClusterException as exc:
+                if isinstance(exc.__cause__, (RedisConnectionError, OSError)):
+                    raise UnavailableError(str(exc)) from exc
+                raise InvalidArgumentError(
+                    f"{redact_url(url)} is not a usable Redis Cluster node: {exc}"
+                ) from exc
+            if lean:  # the URL's settings (TLS, user, password...), any node's address
+                client._base = lean_endpoint(url)
+        await client.ping()
+    except QpsError as exc:
+        await client.close()
+        if isinstance(exc, UnavailableError):
+            raise UnavailableError(
+                f"cannot reach Redis Cluster at {redact_url(url)}: {exc}"
+            ) from exc
         raise
     return client
 

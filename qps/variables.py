@@ -62,7 +62,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.initializers import Initializer
-from qps.transport import Client, map_errors
+from qps.transport import Client, map_errors, pipeline_script
 from qps.varspec import (
     MAX_BYTES,
     Layout,
@@ -939,7 +939,9 @@ class Variable:
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             pipe.set(stage, _as_bytes(staged), px=STAGE_TTL_MS)
-            await _scripts_of(client).publish_rows(keys=[self._meta, stage], args=args, client=pipe)
+            await pipeline_script(
+                client, pipe, _scripts_of(client).publish_rows, [self._meta, stage], args
+            )
             replies = await pipe.execute()
         self._check_write(replies[-1], "publish_rows", version, token)
 
@@ -1182,7 +1184,7 @@ class Variable:
                     # the last attempt runs the batches inside MULTI/EXEC: one snapshot
                     pipe = client.commands.pipeline(transaction=attempt == READ_ATTEMPTS)
                     for a in args:
-                        await script(keys=[self._meta], args=a, client=pipe)
+                        await pipeline_script(client, pipe, script, [self._meta], a)
                     replies = await pipe.execute()
             if any(_text(r[0]) != "ok" for r in replies):
                 raise self._gone()

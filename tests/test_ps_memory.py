@@ -189,7 +189,8 @@ async def test_a_shard_with_another_max_message_size_does_not_start(job: Job) ->
 def _cli_connected(client: transport.Client) -> Callable[[str | None], Any]:
     """``qps.cli.ps.connected`` for a CLI command run in a thread (with its own event
     loop) that reaches the server of ``client``, either backend."""
-    server = client.commands.connection_pool.connection_kwargs.get("server")
+    pool = getattr(client.commands, "connection_pool", None)  # a cluster client has none
+    server = None if pool is None else pool.connection_kwargs.get("server")
 
     @contextlib.asynccontextmanager
     async def connected(url: str | None) -> AsyncIterator[transport.Client]:
