@@ -69,13 +69,15 @@ async def test_up_to_on_a_closed_queue(client):
 async def test_an_acked_dequeue_of_a_closed_queue_waits_for_held_elements(make_client):
     """Closed and empty, but another consumer holds a delivery: an acknowledged dequeue
     waits for it (it may come back) instead of reporting the end; a plain dequeue reports
-    the end at once, as in TF. A nack hands the element over; once nothing is held, the
-    waiting dequeue gets OutOfRange."""
+    the end at once, as in TF, and so does the holder's own client. A nack hands the
+    element over; once nothing is held, the waiting dequeue gets OutOfRange."""
     a, b = fifo(await make_client()), fifo(await make_client())
     await a.enqueue_many(np.arange(2, dtype=I64))
     await a.close()
     d0 = await a.dequeue_acked()
     d1 = await a.dequeue_acked()
+    with pytest.raises(OutOfRangeError):
+        await a.dequeue_acked()  # its own client's deliveries: it never waits for itself
     with pytest.raises(OutOfRangeError):
         await b.dequeue_up_to(1)  # TF semantics for a plain dequeue
     waiting = asyncio.create_task(b.dequeue_up_to_acked(5))

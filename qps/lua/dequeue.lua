@@ -55,7 +55,7 @@ local function attempt()
       if MODE == 'upto' and avail > 0 then return deliver(avail) end
       -- closed: the end, unless an acknowledged dequeue may still get elements that
       -- other consumers hold (it waits for them: see holds())
-      local wait = CLOSED and ACKED and avail == 0 and holds()
+      local wait = CLOSED and ACKED and avail == 0 and holds(ID)
       if CLOSED and not wait then return {'oor:' .. size()} end
       if NOWAIT then return {'wouldblock'} end
     end

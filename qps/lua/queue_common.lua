@@ -410,14 +410,17 @@ local function acked_entry(e)
   return string.sub(e, 1, 2) == 'd|' and string.match(e, '^d|%d+|%a+A|') ~= nil
 end
 
--- Whether consumers hold delivered elements ('r|<id>' leases): acknowledged deliveries
--- not yet acked, or deliveries not yet collected. On a closed queue such elements may
--- still come back (a nack, a lease that runs out), so an acknowledged dequeue waits for
--- them instead of reporting the end of the queue.
-local function holds()
+-- Whether other consumers than the client of attempt id hold delivered elements ('r|<id>'
+-- leases, ids '<client>.<n>'): acknowledged deliveries not yet acked, or deliveries not
+-- yet collected. On a closed queue such elements may still come back (a nack, a lease
+-- that runs out), so an acknowledged dequeue waits for them instead of reporting the end
+-- of the queue. Its own client's deliveries do not count: it would wait for itself (a
+-- consumer that holds a delivery until more come, as a synchronous PS shard does).
+local function holds(id)
   if S.w == 0 then return false end
+  local mine = (string.match(id, '^(.*)%.%d+$') or id) .. '.'
   for _, e in ipairs(redis.call('ZRANGE', LEASE, 0, -1)) do
-    if string.sub(e, 1, 2) == 'r|' then return true end
+    if string.sub(e, 1, 2) == 'r|' and string.sub(e, 3, 2 + #mine) ~= mine then return true end
   end
   return false
 end
@@ -529,7 +532,7 @@ local function flush()
         end
         finish_deq(e, id, 'ok', held)
         progress = true
-      elseif CLOSED and not (held == 0 and acked_entry(e) and holds()) then
+      elseif CLOSED and not (held == 0 and acked_entry(e) and holds(id)) then
         redis.call('LPOP', DW)
         progress = true
         if mode == 'upto' and held > 0 then

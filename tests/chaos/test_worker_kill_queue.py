@@ -67,9 +67,7 @@ def test_a_killed_workers_batch_goes_to_another_worker(redis_url: str) -> None:
                 s = await queue_stats(client, "input", c)
                 return s.dequeued_total == total and s.size == 0 and s.pending_dequeues == 2
 
-            await until(all_taken_and_both_wait, timeout=120)
-            statuses = await _statuses(client, c)
-            assert statuses["worker1"]["step"] >= 1, statuses  # it trained
+            await until(all_taken_and_both_wait, timeout=120)  # both read ahead
             victim = procs["worker1"]
             victim.send_signal(signal.SIGSTOP)
             # two batches: one goes to each waiting dequeue, the stopped worker's too
