@@ -49,9 +49,9 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
@@ -75,6 +75,8 @@ from qps.errors import (
     QpsError,
     UnavailableError,
 )
+
+T = TypeVar("T")
 
 log = logging.getLogger("qps.transport")
 
@@ -971,6 +973,22 @@ class ClusterClient(Client):
         with map_errors():
             await self._slots.nodes_manager.initialize()
 
+    async def _routed(self, key: str, child: Client, call: Callable[[Client], Awaitable[T]]) -> T:
+        """``call`` on ``child``, the node owning ``key``'s slot; after a ``MOVED``
+        (nothing of the call ran) once more on the slot's new owner."""
+        for attempt in (0, 1):
+            try:
+                return await call(child)
+            except UnavailableError:
+                await self._lost()
+                raise
+            except InternalError as exc:
+                await self._redirected(exc, attempt)
+            again = self._node_for(key)
+            assert again is not None
+            child = again
+        raise AssertionError("unreachable")
+
     # -- the hot path ------------------------------------------------------------------
     async def run_script(self, name: str, keys: Sequence[str], args: ScriptArgs) -> Any:
         child = self._node_for(keys[0]) if keys else None
@@ -1002,19 +1020,11 @@ class ClusterClient(Client):
         child = self._node_for(keys[0]) if name is not None and keys else None
         if child is None:  # plain commands alone may span slots: redis-py splits them
             return await super().run_commands_then_script(commands, name, keys, args)
-        for attempt in (0, 1):
-            try:
-                return await child.run_commands_then_script(commands, name, keys, args)
-            except UnavailableError:
-                await self._lost()
-                raise
-            except InternalError as exc:
-                # the commands sent with a script are idempotent writes or reads of its
-                # slot (a batch buffer, chunk reads): a MOVED call is sent again whole
-                await self._redirected(exc, attempt)
-            child = self._node_for(keys[0])
-            assert child is not None
-        raise AssertionError("unreachable")
+        # the commands sent with a script are idempotent writes or reads of its slot (a
+        # batch buffer, chunk reads): a MOVED call is sent again whole
+        return await self._routed(
+            keys[0], child, lambda c: c.run_commands_then_script(commands, name, keys, args)
+        )
 
     async def run_script_then_commands(
         self,
@@ -1026,17 +1036,9 @@ class ClusterClient(Client):
         child = self._node_for(keys[0]) if keys else None
         if child is None:
             return await super().run_script_then_commands(name, keys, args, after)
-        for attempt in (0, 1):
-            try:
-                return await child.run_script_then_commands(name, keys, args, after)
-            except UnavailableError:
-                await self._lost()
-                raise
-            except InternalError as exc:
-                await self._redirected(exc, attempt)
-            child = self._node_for(keys[0])
-            assert child is not None
-        raise AssertionError("unreachable")
+        return await self._routed(
+            keys[0], child, lambda c: c.run_script_then_commands(name, keys, args, after)
+        )
 
     async def wait_then_script(
         self,
@@ -1050,20 +1052,12 @@ class ClusterClient(Client):
         child = self._node_for(keys[0]) if keys else None
         if child is None:
             return await super().wait_then_script(wake_key, block_seconds, name, keys, args, after)
-        for attempt in (0, 1):
-            try:
-                return await child.wait_then_script(
-                    wake_key, block_seconds, name, keys, args, after
-                )
-            except UnavailableError:
-                await self._lost()
-                raise
-            except InternalError as exc:
-                # a wake token popped before the move is lost, which a wait tolerates
-                await self._redirected(exc, attempt)
-            child = self._node_for(keys[0])
-            assert child is not None
-        raise AssertionError("unreachable")
+        # a wake token popped before a move is lost, which a wait tolerates
+        return await self._routed(
+            keys[0],
+            child,
+            lambda c: c.wait_then_script(wake_key, block_seconds, name, keys, args, after),
+        )
 
     async def script_then_wait(
         self,
