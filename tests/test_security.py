@@ -95,6 +95,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _make_ca(cn: str, name: str, cwd: str) -> None:
+    """A self-signed CA (``name``.key, ``name``.crt) with the extensions Python 3.13's
+    strict certificate verification asks for."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.crt",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-addext", "subjectKeyIdentifier=hash", cwd=cwd)  # fmt: skip
+
+
 def _openssl(*args: str, cwd: str) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
@@ -108,11 +118,18 @@ def tls_server() -> Iterator[tuple[int, str]]:
     binary, _ = find_server_binary()
     d = tempfile.mkdtemp(prefix="qpstls")
     try:
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-                 "/CN=qps test CA", "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+        _make_ca("qps test CA", "ca", d)
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
                  "-keyout", "server.key", "-out", "server.csr", cwd=d)  # fmt: skip
-        Path(d, "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        # what Python 3.13's strict verification (VERIFY_X509_STRICT) asks of a leaf
+        Path(d, "ext.cnf").write_text(
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+            "basicConstraints=critical,CA:FALSE\n"
+            "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            "extendedKeyUsage=serverAuth\n"
+            "subjectKeyIdentifier=hash\n"
+            "authorityKeyIdentifier=keyid,issuer\n"
+        )
         _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
                  "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "server.crt",
                  cwd=d)  # fmt: skip
@@ -198,9 +215,7 @@ def test_a_tiny_job_trains_over_tls_and_a_wrong_ca_is_refused(
     result = json.loads(ok.stdout)
     assert result["global_step"] == 200 and result["failed"] == {}
     assert result["test_value"] is not None and result["test_value"] > 0.5
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             "/CN=some other CA", "-keyout", "other.key", "-out", "other.crt",
-             cwd=str(tmp_path))  # fmt: skip
+    _make_ca("some other CA", "other", str(tmp_path))
     bad = train(str(tmp_path / "other.crt"))
     assert bad.returncode == 5, bad.stderr[-2000:]  # unavailable: the handshake failed
     assert "certificate verify failed" in bad.stderr or "CERTIFICATE" in bad.stderr.upper()
