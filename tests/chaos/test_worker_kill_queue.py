@@ -63,11 +63,15 @@ def test_a_killed_workers_batch_goes_to_another_worker(redis_url: str) -> None:
             total = 10 * BATCH
             await q.enqueue_many(examples(total))
 
-            async def all_taken_and_both_wait() -> bool:
+            async def all_trained_and_both_wait() -> bool:
                 s = await queue_stats(client, "input", c)
-                return s.dequeued_total == total and s.size == 0 and s.pending_dequeues == 2
+                st = await _statuses(client, c)
+                trained = sum(int(str(v.get("examples", 0))) for v in st.values())
+                return s.size == 0 and s.pending_dequeues == 2 and trained == total
 
-            await until(all_taken_and_both_wait, timeout=120)  # both read ahead
+            # both wait for input, no step in hand (every batch trained and published): the
+            # stop cannot fall between a push and its ack
+            await until(all_trained_and_both_wait, timeout=120)
             victim = procs["worker1"]
             victim.send_signal(signal.SIGSTOP)
             # two batches: one goes to each waiting dequeue, the stopped worker's too
