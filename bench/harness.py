@@ -162,6 +162,18 @@ def _sync_client(url: str) -> Any:
     return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
 
 
+def proc_cpu_seconds(pid: int, *, children: bool = False) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, from ``/proc/<pid>/stat``;
+    with ``children``, also that of its children it waited for. None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # utime, stime (fields 14, 15), then cutime, cstime
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
 class BenchServer:
     """The Redis server the benchmarks use: a dedicated ``redis-server`` without
     persistence on a free loopback TCP port (default) or a unix socket, or an existing

@@ -38,18 +38,6 @@ import harness
 
 from qps.aio import wait_event
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    # utime, stime, cutime, cstime: a role's own time and that of children it waited for
-    return sum(int(x) for x in fields[11:15]) / _TICK
-
 
 def _redis_stats(url: str) -> dict[str, float]:
     r = harness._sync_client(url)
@@ -89,7 +77,8 @@ class _Watch:
             except OSError:
                 continue
             role = "worker" if b"worker" in cmd else "ps" if b"ps" in cmd else "other"
-            procs[pid] = (role, _cpu_s(pid))
+            # a role's own time and that of the children it waited for
+            procs[pid] = (role, harness.proc_cpu_seconds(pid, children=True) or 0.0)
         self.samples.append((time.time(), procs, _redis_stats(self.url)))
 
     async def run(self) -> None:

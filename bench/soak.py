@@ -56,19 +56,6 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) ``pid`` has used, from ``/proc/<pid>/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
-
-
 def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -246,7 +233,7 @@ async def soak_queues(a: argparse.Namespace, server: harness.BenchServer) -> dic
         }
         s["work"] = st.dequeued_total
         pids = [p.pid for p in procs.values()] + server.pids()
-        s["cpu_s"] = sum(c for k in pids if (c := cpu_s(k)))
+        s["cpu_s"] = sum(c for k in pids if (c := harness.proc_cpu_seconds(k)))
         if last is not None:
             s["el_per_s"] = (s["dequeued"] - last["dequeued"]) / (now - last["t"])
         samples.append(s)
@@ -336,7 +323,9 @@ async def soak_train(a: argparse.Namespace, server: harness.BenchServer) -> dict
         }
         s["rss_mib"]["qps train"] = rss_mib(train.pid) or 0.0
         s["work"] = gs
-        s["cpu_s"] = sum(c for k in [train.pid, *kids, *server.pids()] if (c := cpu_s(k)))
+        s["cpu_s"] = sum(
+            c for k in [train.pid, *kids, *server.pids()] if (c := harness.proc_cpu_seconds(k))
+        )
         if last is not None:
             s["steps_per_s"] = (gs - last["global_step"]) / (now - last["t"])
         samples.append(s)

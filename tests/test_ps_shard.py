@@ -477,7 +477,9 @@ def test_dead_holder_only_for_a_gone_process_of_this_host_and_namespace() -> Non
     import os
     import socket
 
-    from qps.ps.shard import _pid_namespace, dead_holder, default_owner
+    from qps.owners import default_owner
+    from qps.owners import pid_namespace as _pid_namespace
+    from qps.ps.shard import dead_holder
 
     host, ns = socket.gethostname(), _pid_namespace()
     assert default_owner().startswith(f"{host}:{os.getpid()}:")
@@ -498,7 +500,7 @@ async def test_a_dead_holder_of_this_host_is_taken_over_at_once(job: Job) -> Non
     restarted) is taken over without waiting it out: here it has a minute left."""
     import socket
 
-    from qps.ps.shard import _pid_namespace
+    from qps.owners import pid_namespace as _pid_namespace
 
     sess = await job.session()
     await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
@@ -537,7 +539,7 @@ async def test_a_live_holder_is_not_taken_over(
     import os
     import socket
 
-    from qps.ps.shard import _pid_namespace
+    from qps.owners import pid_namespace as _pid_namespace
 
     sess = await job.session()
     await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))

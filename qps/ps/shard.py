@@ -71,7 +71,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.optimizers import Adam, Optimizer
-from qps.owners import default_owner, owner_is_dead, pid_namespace
+from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
 from qps.ps.messages import (
     GradientMessage,
@@ -156,10 +156,6 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', old)
 if n == 0 then return {0, redis.call('GET', KEYS[1]) or '0'} end
 return {n, redis.call('INCRBY', KEYS[1], n)}
 """
-
-
-#: kept under their old names for callers of this module
-_pid_namespace = pid_namespace
 
 
 def dead_holder(value: str) -> bool:
