@@ -259,7 +259,7 @@ class BenchServer:
     def reset_stats(self) -> None:
         _sync_client(self.url).config_resetstat()
 
-    def command_stats(self, top: int = 8) -> str:
+    def command_stats(self, top: int = 16) -> str:
         """The commands that took the most server time since :meth:`reset_stats`."""
         stats = _sync_client(self.url).info("commandstats")
         rows = sorted(stats.items(), key=lambda kv: -float(kv[1]["usec"]))[:top]

@@ -379,6 +379,32 @@ class Client:
         replies, _ = await self.run_commands_then_script(commands, None, (), ())
         return replies
 
+    async def run_commands_replies(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Run ``commands`` (scripts by ``EVALSHA`` among them) in one round trip, in
+        order, on one connection; return their replies, a failed command's error in its
+        place (a :class:`QpsError`: see :func:`is_noscript`), not raised. Not for Redis
+        Cluster (commands of several slots).
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+        """
+        if self._endpoint is not None:
+            conn = self._lean
+            if conn is None or conn._failure is not None:
+                conn = await self._open_lean()
+            if conn is not None:
+                try:
+                    replies = await conn.call_many(commands)
+                except TypeError as exc:
+                    raise InternalError(f"unexpected Redis error: {exc}") from exc
+                return [_error_in_place(r) for r in replies]
+        with map_errors():
+            pipe = self.commands.pipeline(transaction=False)
+            for c in commands:
+                pipe.execute_command(*c)
+            replies = await pipe.execute(raise_on_error=False)
+        return [_error_in_place(r) for r in replies]
+
     async def run_commands_then_script(
         self,
         commands: Sequence[Sequence[Any]],
@@ -851,6 +877,24 @@ async def pipeline_script(
         pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
     else:
         await script(keys=keys, args=args, client=pipe)
+
+
+def _error_in_place(reply: Any) -> Any:
+    """A reply, or the qps error for an error reply (its cause the original)."""
+    if isinstance(reply, (resp.ReplyError, RedisError)):
+        err = translate(reply)
+        err.__cause__ = reply
+        return err
+    return reply
+
+
+def is_noscript(exc: BaseException) -> bool:
+    """Whether an error (in place among :meth:`Client.run_commands_replies`' replies)
+    says that a script run by SHA is not loaded: it did not run."""
+    cause = exc.__cause__ if isinstance(exc, QpsError) else exc
+    if isinstance(cause, resp.ReplyError):
+        return cause.code == "NOSCRIPT"
+    return isinstance(cause, NoScriptError)
 
 
 def _str_name(command: Sequence[Any]) -> Sequence[Any]:

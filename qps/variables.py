@@ -44,12 +44,13 @@ import contextlib
 import re
 import secrets
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+from redis.exceptions import NoScriptError
 
 from qps import initializers, keys, varspec
 from qps.errors import (
@@ -457,6 +458,44 @@ def _scripts_of(client: Client) -> _Scripts:
     return s
 
 
+async def _execute_then(client: Client, pipe: Any, script: Any, keys: Any, args: Any) -> Any:
+    """Run redis-py pipeline ``pipe`` with ``script`` queued last; return the script's
+    reply. A script the server does not hold yet runs again, by itself (it did not run).
+
+    Raises:
+        UnavailableError: the server cannot be reached.
+        InternalError: a command or the script failed.
+    """
+    if client.cluster:  # queued with its source (see pipeline_script)
+        await pipeline_script(client, pipe, script, keys, args)
+    else:  # by SHA alone: redis-py would ask SCRIPT EXISTS first, one more round trip
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    with map_errors():
+        replies = await pipe.execute(raise_on_error=False)
+        *before, reply = replies
+        for r in before:
+            if isinstance(r, Exception):
+                raise r
+        if isinstance(reply, NoScriptError):
+            return await script(keys=keys, args=args)
+        if isinstance(reply, Exception):
+            raise reply
+    return reply
+
+
+async def load_scripts(client: Client) -> None:
+    """Load the variable scripts into the server (for callers that run them by SHA
+    among plain commands: :meth:`Variable.publish_plan`).
+
+    Raises:
+        UnavailableError: the server cannot be reached.
+    """
+    scripts = _scripts_of(client)
+    with map_errors():
+        for script in (scripts.publish, scripts.read):
+            await client.commands.script_load(script.script)
+
+
 def _ranges_arg(
     lay: Layout, starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64], last: int
 ) -> str:
@@ -718,54 +757,78 @@ class Variable:
         gen: str,
         view: memoryview | None,
         slots: Mapping[str, memoryview] | None = None,
-    ) -> None:
+        then: tuple[Any, Sequence[Any], Sequence[Any]] | None = None,
+    ) -> Any:
         """Write generation ``gen`` (``view``; None: zeros, and no value at all when
         ``view`` is None and ``slots`` are given) and the ``slots`` under it, segment by
         segment, in chunks, with a TTL that the committing script removes. On failure
-        the keys are removed (or expire)."""
+        the keys are removed (or expire).
+
+        ``then``: a redis-py script with its keys and arguments (the commit), run after
+        the writes and returned; in the same round trip as the last of them, and then
+        no clean-up on failure (the script may have run with its reply lost)."""
+        batches = self._write_batches(gen, view, slots)
+        names = [c[1] for b in batches for c in b if c[0] == "PEXPIRE"]
+        try:
+            with map_errors():
+                pipes: list[Any] = []
+                for batch in batches:
+                    pipe = client.commands.pipeline(transaction=False)
+                    for command in batch:
+                        pipe.execute_command(*command)
+                    pipes.append(pipe)
+                if then is None:
+                    for p in pipes:
+                        await p.execute()
+                    return None
+                last = pipes.pop() if pipes else client.commands.pipeline(transaction=False)
+                for p in pipes:
+                    await p.execute()
+                names = []  # the script may run: its keys may be the current value
+                return await _execute_then(client, last, *then)
+        except BaseException:
+            if names:
+                with contextlib.suppress(Exception):  # they expire anyway
+                    await client.commands.unlink(*names)
+            raise
+
+    def _write_batches(
+        self, gen: str, view: memoryview | None, slots: Mapping[str, memoryview] | None
+    ) -> list[list[tuple[Any, ...]]]:
+        """The commands of :meth:`_write`, in batches of at most WRITE_BATCH_BYTES (one
+        segment) of data. Each batch is sent as one pipeline, one after the other: the
+        client joins a pipeline into one buffer, and a buffer of a whole 48 MiB commit
+        (value + two Adam slots) is a fresh mmap with its page faults every time, while
+        4 MiB ones are reused from the heap. Measured: a 48 MiB commit 66-89 ms ->
+        27-33 ms."""
         lay = self._layout
         todo: list[tuple[list[str], memoryview | None]] = []
         if view is not None or slots is None:
             todo.append(([self._seg(gen, i) for i in range(lay.nseg)], view))
         for slot, sview in (slots or {}).items():
             todo.append(([self._slot_seg(gen, slot, i) for i in range(lay.nseg)], sview))
-        names = [k for seg_keys, _ in todo for k in seg_keys]
-        try:
-            with map_errors():
-                # Pipelines of at most WRITE_BATCH_BYTES (one segment), one after the
-                # other: the client joins each pipeline into one buffer, and a buffer of a
-                # whole 48 MiB commit (value + two Adam slots) is a fresh mmap with its
-                # page faults every time, while 4 MiB ones are reused from the heap.
-                # Measured: a 48 MiB commit 66-89 ms -> 27-33 ms.
-                pipes: list[Any] = []
-                pipe = client.commands.pipeline(transaction=False)
-                queued = 0
-                for seg_keys, data in todo:
-                    base = 0
-                    for i, key in enumerate(seg_keys):
-                        size = lay.segment_size(i)
-                        if data is not None and queued and queued + size > WRITE_BATCH_BYTES:
-                            pipes.append(pipe)
-                            pipe = client.commands.pipeline(transaction=False)
-                            queued = 0
-                        # one allocation of the final size, zero-filled; then the chunks
-                        pipe.setrange(key, size - 1, b"\0")
-                        pipe.pexpire(key, STAGE_TTL_MS)
-                        if data is not None:
-                            for lo in range(0, size, varspec.CHUNK_BYTES):
-                                hi = min(lo + varspec.CHUNK_BYTES, size)
-                                pipe.setrange(key, lo, data[base + lo : base + hi])
-                            queued += size
-                        base += size
-                if len(pipe):
-                    pipes.append(pipe)
-                for p in pipes:
-                    await p.execute()
-        except BaseException:
-            if names:
-                with contextlib.suppress(Exception):  # they expire anyway
-                    await client.commands.unlink(*names)
-            raise
+        batches: list[list[tuple[Any, ...]]] = []
+        batch: list[tuple[Any, ...]] = []
+        queued = 0
+        for seg_keys, data in todo:
+            base = 0
+            for i, key in enumerate(seg_keys):
+                size = lay.segment_size(i)
+                if data is not None and queued and queued + size > WRITE_BATCH_BYTES:
+                    batches.append(batch)
+                    batch, queued = [], 0
+                # one allocation of the final size, zero-filled; then the chunks
+                batch.append(("SETRANGE", key, size - 1, b"\0"))
+                batch.append(("PEXPIRE", key, STAGE_TTL_MS))
+                if data is not None:
+                    for lo in range(0, size, varspec.CHUNK_BYTES):
+                        hi = min(lo + varspec.CHUNK_BYTES, size)
+                        batch.append(("SETRANGE", key, lo, data[base + lo : base + hi]))
+                    queued += size
+                base += size
+        if batch:
+            batches.append(batch)
+        return batches
 
     # -- writes ------------------------------------------------------------------------
     def _check_write(self, reply: Any, what: str, version: int, token: int) -> None:
@@ -852,17 +915,68 @@ class Variable:
             }
         client = await self._c()
         gen = secrets.token_hex(8)
-        await self._write(client, gen, _as_bytes(arr), slot_views)
-        nseg = self._layout.nseg
-        args: list[Any] = [token, version, gen, nseg, PREV_TTL_MS, self.nbytes]
+        args = self._publish_args(gen, version, token, slot_views, applied, t)
+        # The flip goes in the round trip of the last chunks. No clean-up if it fails: the
+        # flip may have happened with its reply lost, and then these keys are the current
+        # value. Uncommitted ones expire (STAGE_TTL_MS).
+        flip = (_scripts_of(client).publish, [self._meta], args)
+        reply = await self._write(client, gen, _as_bytes(arr), slot_views, then=flip)
+        self._check_write(reply, "publish", version, token)
+
+    def _publish_args(
+        self,
+        gen: str,
+        version: int,
+        token: int,
+        slot_views: Mapping[str, Any] | None,
+        applied: str | Sequence[str] | None,
+        t: int,
+    ) -> list[Any]:
+        args: list[Any] = [token, version, gen, self._layout.nseg, PREV_TTL_MS, self.nbytes]
         if slot_views is not None:
             first, more = _applied_ids(applied)
             args += [",".join(slot_views), first, check_counter(t, "t"), APPLIED_KEEP_MS, *more]
-        # No clean-up if this fails: the flip may have happened with its reply lost, and
-        # then these keys are the current value. Uncommitted ones expire (STAGE_TTL_MS).
-        with map_errors():
-            reply = await _scripts_of(client).publish(keys=[self._meta], args=args)
-        self._check_write(reply, "publish", version, token)
+        return args
+
+    def publish_plan(
+        self,
+        value: Any,
+        version: int,
+        token: int,
+        *,
+        slots: Mapping[str, Any],
+        applied: str | Sequence[str] | None,
+        t: int,
+    ) -> tuple[list[tuple[Any, ...]], Callable[[Any], None]] | None:
+        """:meth:`publish` (a commit, with ``slots``) as plain commands, its script last,
+        for a caller that sends them in one round trip with others (a PS shard commits
+        all its small variables at once); and the check of the script's reply, which
+        raises as :meth:`publish` does. None when the commit is over WRITE_BATCH_BYTES
+        or the variable was not opened yet (then call :meth:`publish`).
+
+        The caller sends the commands in order on one connection. Should the script
+        come back NOSCRIPT, it did not run: load it (:func:`load_scripts`) and publish
+        again. No clean-up otherwise (see :meth:`publish`)."""
+        if not self._opened or self._client is None:
+            return None
+        if self.nbytes * (1 + len(slots)) > WRITE_BATCH_BYTES:
+            return None
+        version = check_counter(version, "version")
+        token = check_counter(token, "token")
+        arr = self._check_value(value)
+        slot_views = {
+            self._check_slot_name(n): _as_bytes(self._check_value(v)) for n, v in slots.items()
+        }
+        gen = secrets.token_hex(8)
+        args = self._publish_args(gen, version, token, slot_views, applied, t)
+        commands = [c for b in self._write_batches(gen, _as_bytes(arr), slot_views) for c in b]
+        sha = _scripts_of(self._client).publish.sha
+        commands.append(("EVALSHA", sha, 1, self._meta, *args))
+
+        def check(reply: Any) -> None:
+            self._check_write(reply, "publish", version, token)
+
+        return commands, check
 
     async def publish_rows(
         self,

@@ -125,6 +125,31 @@ async def test_max_group_1_commits_each_message(client: qps.Client) -> None:
     await _check_state(client, opt)
 
 
+async def test_commits_sent_at_once_survive_a_flushed_script_cache(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small dense commits go in one round trip, their scripts by SHA: after SCRIPT FLUSH
+    (a restarted server forgets its scripts) they come back NOSCRIPT, did not run, and
+    are committed again the usual way: the state is exact, nothing applied twice."""
+    opt = Adam(learning_rate=0.1)  # TF1 Adam: the sparse variable commits whole too
+    await _setup(client, opt)
+    await _push_all(client)
+    real = type(client).run_commands_replies
+    calls: list[int] = []
+
+    async def flushing(self: qps.Client, commands: Any) -> list[Any]:
+        calls.append(len(commands))
+        if len(calls) in (1, 3):  # the scripts are gone before these batches
+            await self.commands.script_flush()
+        return await real(self, commands)
+
+    monkeypatch.setattr(type(client), "run_commands_replies", flushing)
+    await _drain(client, max_group=1)
+    assert len(calls) >= N - 2  # one batch per group, after the fallbacks loaded them
+    assert all(n > 2 for n in calls)  # both variables and the global step in each
+    await _check_state(client, opt)
+
+
 async def test_a_failed_group_commit_leaves_nothing_applied(
     client: qps.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,12 +160,14 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     await _push_all(client)
     await control.mark_finished(client, C)
     first = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=60_000))
-    real = Shard._commit
+    real, real_at_once = Shard._commit, Shard._commit_at_once
 
-    async def broken(self: Shard, o: Any, v: Any) -> None:
+    async def broken(self: Shard, *args: Any) -> None:
         raise UnavailableError("Redis went away (test)")
 
+    # both ways of committing: one variable at a time, and all small ones at once
     monkeypatch.setattr(Shard, "_commit", broken)
+    monkeypatch.setattr(Shard, "_commit_at_once", broken)
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(first.run(), 60)
     assert first.owned == {}  # the changed copies were dropped
@@ -149,6 +176,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
         assert st.version == 0 and not st.value.any()
     assert await control.gradient_queue(client, C, 0, 64).size() == N  # all back, in order
     monkeypatch.setattr(Shard, "_commit", real)
+    monkeypatch.setattr(Shard, "_commit_at_once", real_at_once)
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
     assert second.applied == N

@@ -26,7 +26,7 @@ from qps.ps.messages import GradientMessage, SparseGradient, encode_message
 from qps.ps.shard import LeaseLostError, Shard, ShardOptions
 from qps.queues import base as queue_base
 from qps.variables import StaleTokenError
-from tests.conftest import ClientFactory, until
+from tests.conftest import ClientFactory, cancel_all, until
 
 C = "job"
 
@@ -58,10 +58,7 @@ class Job:
         return s, task
 
     async def close(self) -> None:
-        for t in self.tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_all(self.tasks)
         for s in self.sessions:
             await s.close()
 

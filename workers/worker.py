@@ -391,6 +391,7 @@ class Worker:
         toucher = asyncio.ensure_future(source.keep_alive()) if source.queue is not None else None
         res.stopped_by = "end of input"
         pulled: tuple[dict[str, Any], dict[str, int]] | None = None
+        newer: asyncio.Future[int] | None = None  # sync: the newest token waiting, sought
         ps_cfg = await control.read_config(sess.client, cfg.container)
         sync = None if ps_cfg is None else ps_cfg.sync
         local_step = res.global_step  # synchronous: the update our gradients are for
@@ -429,7 +430,13 @@ class Worker:
                     res.waited_ms += await job.ssp_wait(
                         sess.client, cfg.container, cfg.name, step, cfg.max_staleness, self.names
                     )
-                if pulled is None or self.sparse or sync is not None:
+                if newer is not None:  # synchronous: tokens that piled up, sought meanwhile
+                    pulled, latest = await asyncio.gather(self._pull(batch), newer)
+                    newer = None
+                    if latest > local_step:  # our gradient was stale: go on from the newest
+                        local_step = latest  # update, with parameters read after it
+                        pulled = await self._pull(batch)
+                elif pulled is None or self.sparse or sync is not None:
                     pulled = await self._pull(batch)
                 params, versions = pulled
                 if sync is not None:  # push for update local_step, then wait for it
@@ -445,6 +452,7 @@ class Worker:
                         res.examples += int(batch[-1].shape[0])
                         break
                     local_step = token
+                    newer = asyncio.ensure_future(self._newest_token(tokens, token))
                 elif self.sparse:  # the next batch's rows are pulled with it
                     loss, grads = await self._compute(params, batch)
                     await self._push(grads, step, versions)
@@ -491,6 +499,9 @@ class Worker:
         except CancelledError as exc:  # the job was finished under us
             res.stopped_by = await self._stop_asked() or f"job finished ({exc})"
         finally:
+            if newer is not None:
+                newer.cancel()
+                await asyncio.gather(newer, return_exceptions=True)
             await batches.aclose()
             if toucher is not None:
                 toucher.cancel()
@@ -551,18 +562,21 @@ class Worker:
         cfg, client = self.cfg, self.sess.client
         while True:
             try:
-                got = int(await tokens.dequeue(timeout=job.WAKE_SECONDS))
-                # tokens of updates made without us (our gradient was stale, or we were
-                # slow): take them all and go on from the newest
-                if (more := await tokens.size()) > 0:
-                    got = max(got, int(np.max(await tokens.dequeue_many(more))))
-                return got
+                return int(await tokens.dequeue(timeout=job.WAKE_SECONDS))
             except DeadlineExceededError:
                 done = await job.finished_workers(client, cfg.container)
                 if cfg.num_workers - len(done - {cfg.name}) < replicas:
                     return None
                 if await control.is_finished(client, cfg.container) or self.stop.is_set():
                     return None
+
+    @staticmethod
+    async def _newest_token(tokens: Any, got: int) -> int:
+        """Tokens of updates made without us (our gradient was stale, or we were slow)
+        that wait after token ``got``: take them all; return the newest token."""
+        if (more := await tokens.size()) > 0:
+            got = max(got, int(np.max(await tokens.dequeue_many(more))))
+        return got
 
     async def _checkpoint(self) -> None:
         assert self.cfg.checkpoint_dir

@@ -1,10 +1,11 @@
--- ack: A 2.. ids of acknowledged dequeues whose elements their caller is done with.
+-- ack: A 2.. ids of acknowledged dequeues whose elements their caller is done with,
+-- after an optional '+p' (the caller saw no reference among them: see ack_fast.lua).
 -- The delivery records go, with the out-of-line bytes of their elements. Returns
 -- {'ok'} or {'expired', id...}: those leases had run out and their elements were put
 -- back (they will be delivered again).
 if not KIND then return {'gone'} end
 local lost = {}
-for i = 2, #A do
+for i = (A[2] == '+p') and 3 or 2, #A do
   local id = A[i]
   if lease_del('r|' .. id) == 0 then
     lost[#lost + 1] = id

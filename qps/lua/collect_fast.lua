@@ -1,5 +1,5 @@
--- The collect fast path (see enqueue_fast.lua): a non-acknowledged dequeue whose attempt
--- finished ('ok') while its caller waited, with no lease of any attempt run out (else
+-- The collect fast paths (see enqueue_fast.lua). First: a non-acknowledged dequeue whose
+-- attempt finished ('ok') while its caller waited, with no lease of any attempt run out (else
 -- the full script reaps first) and no large element's chunks among its elements. It
 -- does what finalize does then: drop the caller's previous record, hand out the
 -- delivery record a:<id>:h (kept RECORD_MS for a caller cancelled before it reads the
@@ -32,6 +32,26 @@ do
         redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
         return {'ok', vals}
       end
+    end
+  elseif e and string.match(e, '^d|%d+|%a+A|') then
+    -- An acknowledged dequeue's finished attempt, on an open queue (a closed one may
+    -- have waits to end: the full script flushes) with no lease run out: finalize with
+    -- keep (queue_common.lua). The record and the 'r|<id>' lease stay until the ack.
+    local lease = P .. 'lease'
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local st = redis.call('GET', P .. 'a:' .. id .. ':s')
+    if st == 'ok' and redis.call('HGET', KEYS[1], 'closed') == '0'
+        and #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0 then
+      if prev ~= '-' then  -- drop_record (queue_common.lua)
+        local bk = P .. 'b:' .. prev
+        redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
+      end
+      redis.call('DEL', P .. 'a:' .. id .. ':s', P .. 'a:' .. id .. ':w')
+      if redis.call('ZSCORE', lease, 'r|' .. id) then
+        return {'ok', redis.call('LRANGE', P .. 'a:' .. id .. ':h', 0, -1)}
+      end
+      return {'expired'}
     end
   end
 end

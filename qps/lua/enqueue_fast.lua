@@ -6,9 +6,9 @@
 -- entry 'QB|...' alone is fine: its buffer's keys are persisted here). Anything else,
 -- or a tombstone of this attempt, falls through to the full script.
 -- A second case: one element for the one attempt pending (w == 1), a dequeue of one
--- element waiting on an empty queue with its lease valid: hand the element to it as the
--- full script's flush would (its delivery record, the 'r|' lease, its outcome and wake
--- token).
+-- element (acknowledged or not) waiting on an empty queue with its lease valid: hand the
+-- element to it as the full script's flush would (its delivery record, the 'r|' lease,
+-- its outcome and wake token; a plain element needs no hand_over).
 local M = redis.call('HMGET', KEYS[1], 'kind', 'cap', 'closed', 'w', 'x')
 do
   local P = string.sub(KEYS[1], 1, -5)
@@ -27,8 +27,7 @@ do
       local lease = P .. 'lease'
       local t = redis.call('TIME')
       local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      if mode and string.sub(mode, -1) ~= 'A'
-          and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
+      if mode and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
           and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now then
         local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
         redis.call('RPUSH', hk, v)

@@ -50,14 +50,14 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from qps import keys
+from qps import keys, variables
 from qps import metrics as _metrics
 from qps.aio import wait_event
 from qps.containers import Counter
@@ -82,7 +82,7 @@ from qps.ps.messages import (
 )
 from qps.queues.base import Delivery, QueueBase
 from qps.queues.waiters import LEASE_MS as DELIVERY_LEASE_MS
-from qps.transport import BLOCK_SECONDS, Client, map_errors
+from qps.transport import BLOCK_SECONDS, Client, is_noscript, map_errors
 from qps.variables import (
     APPLIED_KEEP_MS,
     AlreadyAppliedError,
@@ -351,7 +351,9 @@ class _Accum:
 
 def _joined(ds: list[Delivery]) -> Delivery:
     """Several deliveries as one (one ack, nack or touch call for all, in order)."""
-    return ds[0] if len(ds) == 1 else Delivery(None, tuple(t for d in ds for t in d.tokens))
+    if len(ds) == 1:
+        return ds[0]
+    return Delivery(None, tuple(t for d in ds for t in d.tokens), all(d.plain for d in ds))
 
 
 def _nbytes(value: Any) -> int:
@@ -428,6 +430,9 @@ class Shard:
         self.dropped = 0  # stale gradients dropped (synchronous training)
         self._acc = _Accum()
         self._sync_shards: int | None = None  # shards that hold variables (tokens)
+        self._tokens: list[QueueBase] | None = None  # the workers' token queues, opened once
+        self._gs_opened = False  # the global-step counter created and registered
+        self._scripts_loaded = False  # the commit scripts loaded (run by SHA at once)
         self.metrics = (metrics or _metrics.default()).shard(self.container, o.shard)
 
     # -- control ---------------------------------------------------------------------------
@@ -876,14 +881,13 @@ class Shard:
         """Per message: which of its variables (and its global-step increment) recorded
         its id already."""
         gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
-        with map_errors():
-            pipe = self.client.commands.pipeline(transaction=False)
-            for m in msgs:
-                for name in m.grads:
-                    pipe.zscore(keys.variable_applied(self.container, name), m.id)
-                if m.global_step:
-                    pipe.zscore(gs_key, m.id)
-            replies = iter(await pipe.execute() if len(pipe) else [])
+        commands: list[tuple[Any, ...]] = []
+        for m in msgs:
+            for name in m.grads:
+                commands.append(("ZSCORE", keys.variable_applied(self.container, name), m.id))
+            if m.global_step:
+                commands.append(("ZSCORE", gs_key, m.id))
+        replies = iter(await self.client.run_commands(commands) if commands else [])
         flags: list[dict[str, bool]] = []
         gs: list[bool] = []
         for m in msgs:
@@ -982,9 +986,9 @@ class Shard:
     async def _commit_group(self, g: _Group) -> None:
         """Commit every variable the group changed (value, slots, ``t`` and all its
         message ids in one script each, the variables concurrently: each commit is atomic
-        on its own), then advance the global step."""
+        on its own) and advance the global step alongside (it records the ids too)."""
         failure: BaseException | None = None
-        for name, r in await self._commit_all(g.vars, g.touched):
+        for name, r in await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids):
             if isinstance(r, AlreadyAppliedError):
                 # cannot happen with one writer; our copy was changed: reload it, and
                 # have the group delivered again (what this variable lacks is applied then)
@@ -997,24 +1001,39 @@ class Shard:
                 failure = r
         if failure is not None:
             raise failure
-        if g.gs_ids:
-            await self._advance_global_step(g.gs_ids)
 
     async def _commit_all(
-        self, pending: dict[str, _Pending], touched: set[str], updates: int | None = None
+        self,
+        pending: dict[str, _Pending],
+        touched: set[str],
+        updates: int | None = None,
+        gs_ids: Sequence[str] = (),
     ) -> list[tuple[str, BaseException]]:
-        """Commit the variables of ``pending`` concurrently (each commit is atomic on
-        its own); those committed leave ``touched``. Returns the failures."""
+        """Commit the variables of ``pending`` and advance the global step by ``gs_ids``
+        (each commit is atomic on its own, and records the ids with its state, so each
+        is exactly-once on its own: they run concurrently); those committed leave
+        ``touched``. Returns the variables' failures; the global step's raises.
+
+        On a single server, small dense commits go all at once: every variable's writes
+        and commit script, and the global step's script, in one round trip."""
         names = list(pending)
-        results = await asyncio.gather(
-            *(
-                self._commit(self.owned[n], pending[n])
-                if updates is None
-                else self._commit(self.owned[n], pending[n], updates)
-                for n in names
+        batch = await self._commit_at_once(names, pending, updates, gs_ids)
+        results: list[BaseException | None]
+        if batch is None:
+            results, rest = [None] * len(names), list(range(len(names)))
+        else:  # what remains: commits whose script was not loaded
+            results, gs_ids = batch
+            rest = [k for k, r in enumerate(results) if isinstance(r, _Fallback)]
+        step = self._advance_global_step(list(gs_ids)) if gs_ids else _nothing()
+        got, _ = await asyncio.gather(
+            asyncio.gather(
+                *(self._commit(self.owned[names[k]], pending[names[k]], updates) for k in rest),
+                return_exceptions=True,
             ),
-            return_exceptions=True,
+            step,
         )
+        for k, r in zip(rest, got):
+            results[k] = r
         failed = []
         for name, r in zip(names, results):
             if r is None:
@@ -1023,12 +1042,84 @@ class Shard:
                 failed.append((name, r))
         return failed
 
+    def _next(self, o: _Owned, v: _Pending, updates: int | None) -> tuple[int, int]:
+        """``(t, version)`` of ``o`` once ``v`` is committed (``updates`` updates, else one
+        per message)."""
+        n = len(v.ids) if updates is None else updates
+        return o.t + n, o.version + n
+
+    async def _commit_at_once(
+        self,
+        names: list[str],
+        pending: dict[str, _Pending],
+        updates: int | None,
+        gs_ids: Sequence[str],
+    ) -> tuple[list[BaseException | None], Sequence[str]] | None:
+        """The commits of :meth:`_commit_all` in one round trip, if they are all small
+        dense ones on a single server; None otherwise. Returns each variable's outcome
+        (None: committed; :class:`_Fallback`: its script was not loaded and did not
+        run, commit it again the usual way) and the global-step ids still to count
+        (``gs_ids`` unless its script ran here)."""
+        if self.client.cluster or not names:
+            return None
+        opt = self.optimizer
+        plans = []
+        for name in names:
+            o, v = self.owned[name], pending[name]
+            if not (v.dense or (isinstance(opt, Adam) and not opt.lazy)):
+                return None
+            t, version = self._next(o, v, updates)
+            plan = o.var.publish_plan(
+                o.value, version, self.token, slots=o.slots, applied=v.ids, t=t
+            )
+            if plan is None:
+                return None
+            plans.append(plan)
+        if not self._scripts_loaded:
+            await variables.load_scripts(self.client)
+            with map_errors():
+                await self.client.commands.script_load(_COUNT_STEPS)
+            self._scripts_loaded = True
+        commands = [c for cmds, _ in plans for c in cmds]
+        if gs_ids:
+            await self._open_global_step()
+            commands.append(("EVALSHA", self._step_script.sha, *self._step_args(gs_ids)))
+        replies = await self.client.run_commands_replies(commands)
+        results: list[BaseException | None] = []
+        at = 0
+        for name, (cmds, check) in zip(names, plans):
+            at += len(cmds)
+            reply = replies[at - 1]
+            for r in replies[at - len(cmds) : at - 1]:  # the writes: a failure is the server's
+                if isinstance(r, BaseException):
+                    raise r
+            if isinstance(reply, BaseException):
+                self._scripts_loaded = self._scripts_loaded and not is_noscript(reply)
+                results.append(_Fallback() if is_noscript(reply) else reply)
+                continue
+            try:
+                check(reply)
+            except QpsError as exc:
+                results.append(exc)
+                continue
+            o, v = self.owned[name], pending[name]
+            o.t, o.version = self._next(o, v, updates)
+            results.append(None)
+        if gs_ids:
+            reply = replies[-1]
+            if not isinstance(reply, BaseException):
+                gs_ids = ()
+            elif is_noscript(reply):
+                self._scripts_loaded = False
+            else:
+                raise reply
+        return results, gs_ids
+
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
         """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it
         (as ``updates`` updates if given: one aggregated update of several messages)."""
         opt = self.optimizer
-        n = len(v.ids) if updates is None else updates
-        t, version = o.t + n, o.version + n
+        t, version = self._next(o, v, updates)
         full = v.dense or (isinstance(opt, Adam) and not opt.lazy)  # TF1 Adam moves every row
         if full:
             await o.var.publish(o.value, version, self.token, slots=o.slots, applied=v.ids, t=t)
@@ -1132,52 +1223,70 @@ class Shard:
                 else:
                     opt.apply_dense(o.value, grad, o.slots, o.t + 1)
                     pending[name] = _Pending(ids=ids[name], dense=True)
-            for _, failure in await self._commit_all(pending, g.touched, updates=1):
+            gs_ids = (
+                [f"sync.{self.sync_step + 1}"] if self.shard == control.GLOBAL_STEP_SHARD else []
+            )
+            for _, failure in await self._commit_all(pending, g.touched, 1, gs_ids):
                 raise failure
-            if self.shard == control.GLOBAL_STEP_SHARD:
-                await self._advance_global_step([f"sync.{self.sync_step + 1}"])
         except BaseException:
             self._forget(g)
             await self._settle(q, deliveries, ack=False)
             raise
         self.sync_step += 1
-        await self._settle(q, deliveries, ack=True)
-        await self._released(g)
-        await self._sync_tokens(self.sync_step)
+
+        async def settle() -> None:  # the ids are released once the ack is done
+            await self._settle(q, deliveries, ack=True)
+            await self._released(g)
+
+        # The tokens go out while the deliveries are acknowledged: a worker may pull and
+        # push again at once. Should this process die before the ack, the messages come
+        # again and are acked as applied (their ids were committed with the update).
+        await asyncio.gather(settle(), self._sync_tokens(self.sync_step))
 
     async def _sync_tokens(self, step: int) -> None:
         """Once every shard holding variables has committed update ``step``, give each
         worker a token (the new global step): each is blocked on its own token queue."""
         assert self.sync is not None
-        key = keys.container_prefix(self.container) + f"ps:sync:done:{step}"
-        with map_errors():
-            pipe = self.client.commands.pipeline(transaction=True)
-            pipe.incr(key)
-            pipe.pexpire(key, 3_600_000)
-            done, _ = await pipe.execute()
         if self._sync_shards is None:  # placed once, at the first push of the job
             placed = await control.read_placement(self.client, self.container)
             self._sync_shards = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
+        if self._tokens is None:
+            self._tokens = [
+                control.token_queue(self.client, self.container, k) for k in range(self.sync[1])
+            ]
         needed = self._sync_shards
-        if int(done) == needed:
-            await asyncio.gather(
-                *(
-                    control.token_queue(self.client, self.container, k).enqueue(np.int64(step))
-                    for k in range(self.sync[1])
-                )
-            )
+        if needed > 1:  # the last shard to commit the update hands out the tokens
+            key = keys.container_prefix(self.container) + f"ps:sync:done:{step}"
+            with map_errors():
+                pipe = self.client.commands.pipeline(transaction=True)
+                pipe.incr(key)
+                pipe.pexpire(key, 3_600_000)
+                done, _ = await pipe.execute()
+            if int(done) != needed:
+                return
+        await asyncio.gather(*(t.enqueue(np.int64(step)) for t in self._tokens))
 
     async def _advance_global_step(self, ids: list[str]) -> None:
-        counter = control.global_step_counter(self.client, self.container)
-        await counter.get()  # creates and registers it
+        await self._open_global_step()
+        numkeys, *both = self._step_args(ids)
         with map_errors():
-            await self._step_script(
-                keys=[
-                    keys.counter_key(self.container, keys.GLOBAL_STEP),
-                    keys.counter_applied(self.container, keys.GLOBAL_STEP),
-                ],
-                args=[APPLIED_KEEP_MS, *ids],
-            )
+            await self._step_script(keys=both[:numkeys], args=both[numkeys:])
+
+    async def _open_global_step(self) -> None:
+        if not self._gs_opened:
+            counter = control.global_step_counter(self.client, self.container)
+            await counter.get()  # creates and registers it
+            self._gs_opened = True
+
+    def _step_args(self, ids: Sequence[str]) -> list[Any]:
+        """The global-step script's key count, keys and arguments (counting ``ids``)."""
+        return [
+            2,
+            keys.counter_key(self.container, keys.GLOBAL_STEP),
+            keys.counter_applied(self.container, keys.GLOBAL_STEP),
+            APPLIED_KEEP_MS,
+            *ids,
+        ]
 
     async def _released(self, g: _Group) -> None:
         """After the ack: forget the group's ids and count what was done."""
@@ -1195,28 +1304,23 @@ class Shard:
         if g.fresh or g.skipped:
             incr["groups"] = 1
         try:
-            with map_errors():
-                release: dict[str, list[str]] = {}
-                for m in g.msgs:  # applied now or before: every id the group recorded
-                    for name in m.grads:
-                        release.setdefault(keys.variable_applied(self.container, name), []).append(
-                            m.id
-                        )
-                    if m.global_step:
-                        gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
-                        release.setdefault(gs_key, []).append(m.id)
-                pipe = self.client.commands.pipeline(transaction=False)
-                for key, ids in release.items():
-                    pipe.zrem(key, *ids)
-                for k, n in incr.items():
-                    pipe.hincrby(self._prefix + "stats", k, n)
-                now_ms = int(time.time() * 1000)
-                marks = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
-                if g.fresh and not self._applied_once:  # this run's first applied group
-                    marks["first_ms"] = now_ms
-                pipe.hset(self._prefix + "stats", mapping=cast(Any, marks))
-                await pipe.execute()
-                self._applied_once = self._applied_once or bool(g.fresh)
+            release: dict[str, list[str]] = {}
+            for m in g.msgs:  # applied now or before: every id the group recorded
+                for name in m.grads:
+                    release.setdefault(keys.variable_applied(self.container, name), []).append(m.id)
+                if m.global_step:
+                    gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
+                    release.setdefault(gs_key, []).append(m.id)
+            stats = self._prefix + "stats"
+            commands: list[tuple[Any, ...]] = [("ZREM", k, *ids) for k, ids in release.items()]
+            commands += [("HINCRBY", stats, k, n) for k, n in incr.items()]
+            now_ms = int(time.time() * 1000)
+            marks: dict[str, int] = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
+            if g.fresh and not self._applied_once:  # this run's first applied group
+                marks["first_ms"] = now_ms
+            commands.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
+            await self.client.run_commands(commands)
+            self._applied_once = self._applied_once or bool(g.fresh)
         except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
             self.log.warning("could not release the ids of a group: %s", exc)
         self.log.debug(
@@ -1293,6 +1397,14 @@ def _raw(delivery: Delivery | None) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype == np.uint8:
         return value.tobytes()
     return b""
+
+
+async def _nothing() -> None:
+    return None
+
+
+class _Fallback(Exception):
+    """A commit sent at once whose script was not loaded (it did not run)."""
 
 
 async def _quietly(aw: Any) -> None:

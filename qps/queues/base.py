@@ -91,6 +91,17 @@ class Delivery:
 
     value: Element
     tokens: tuple[str, ...]
+    #: True when none of its stored values referred to bytes kept out of line: its ack
+    #: then has nothing to release but the delivery records (the server skips reading
+    #: them back)
+    plain: bool = False
+
+
+class _Tokens(list[str]):
+    """The attempt ids of an acknowledged dequeue, and whether any delivered value was
+    a reference to bytes kept out of line."""
+
+    refs = False
 
 
 def _string_mismatch(index: int, value: Any, what: str) -> InvalidArgumentError:
@@ -788,10 +799,12 @@ class QueueBase:
             )
             status = reply[0]
             if status == b"ok":
-                if acked is not None:
-                    acked.append(aid)
                 stored = reply[1]
                 blobs = self._strip_keys(stored)
+                if acked is not None:
+                    acked.append(aid)
+                    if isinstance(acked, _Tokens) and any(is_ref(b) for b in blobs):
+                        acked.refs = True
                 joined = None
                 rows = handed_rows(aid, blobs, sink[0] if sink else None)
                 if rows is not None:
@@ -1012,10 +1025,10 @@ class QueueBase:
     # -- acknowledged (at-least-once) dequeues --------------------------------------
     async def _take_acked(
         self, n: int, mode: str, timeout: float | None, nowait: bool
-    ) -> tuple[list[np.ndarray], tuple[str, ...]]:
-        tokens: list[str] = []
+    ) -> tuple[list[np.ndarray], _Tokens]:
+        tokens = _Tokens()
         arrays = await self._take(n, mode, timeout, nowait, tokens)
-        return arrays, tuple(tokens)
+        return arrays, tokens
 
     async def dequeue_acked(self, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue`, at least once: the element stays held for this caller until
@@ -1027,7 +1040,7 @@ class QueueBase:
             as :meth:`dequeue`.
         """
         arrays, tokens = await self._take_acked(1, "one", timeout, False)
-        return Delivery(self._format(arrays), tokens)
+        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
 
     async def dequeue_many_acked(self, n: int, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue_many`, at least once (see :meth:`dequeue_acked`)."""
@@ -1035,7 +1048,7 @@ class QueueBase:
         if n == 0:
             return Delivery(self._format(self._batch([])), ())
         arrays, tokens = await self._take_acked(int(n), "many", timeout, False)
-        return Delivery(self._format(arrays), tokens)
+        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
 
     async def dequeue_up_to_acked(self, n: int, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue_up_to`, at least once (see :meth:`dequeue_acked`)."""
@@ -1043,7 +1056,7 @@ class QueueBase:
         if n == 0:
             return Delivery(self._format(self._batch([])), ())
         arrays, tokens = await self._take_acked(int(n), "upto", timeout, False)
-        return Delivery(self._format(arrays), tokens)
+        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
 
     async def ack(self, delivery: Delivery) -> None:
         """Done with a delivery: its elements are gone for good.
@@ -1054,7 +1067,8 @@ class QueueBase:
         """
         if not delivery.tokens:
             return
-        lost = await self._settle("ack", await self._c(), delivery.tokens)
+        tokens = ("+p", *delivery.tokens) if delivery.plain else delivery.tokens
+        lost = await self._settle("ack", await self._c(), tokens)
         if lost:
             raise AbortedError(
                 f"ack on '{self._name}' came after the lease ({LEASE_MS} ms) ran out: the "
