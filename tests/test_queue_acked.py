@@ -41,6 +41,34 @@ async def test_ack_removes_for_good(client):
     assert int(await client.commands.hget(prefix + "meta", "w")) == 0
 
 
+async def test_handed_over_and_taken_deliveries_ack_to_nothing(client):
+    """A delivery handed to a waiting acknowledged dequeue by an enqueue, and one taken
+    from a non-empty queue, are plain: their acks (one call, as a PS shard acks a group)
+    leave no record, lease or pending attempt, and the meta's count of leases is 0."""
+    q = fifo(client)
+    prefix = keys.queue_prefix("default", "acked")
+    waiting = asyncio.ensure_future(q.dequeue_acked())
+    await until(lambda: _pending_dequeues(q))
+    await q.enqueue(I64(7))
+    first = await waiting
+    await q.enqueue_many(np.arange(2, dtype=I64))
+    second = await q.dequeue_acked()
+    assert (int(first.value), int(second.value)) == (7, 0)
+    assert first.plain and second.plain
+    assert await q.held() == 2
+    both = qps.queues.base.Delivery(None, first.tokens + second.tokens, True)
+    await q.ack(both)
+    assert await q.held() == 0
+    assert await client.commands.zcard(prefix + "lease") == 0
+    assert [k async for k in client.commands.scan_iter(match=prefix + "a:*")] == []
+    assert int(await client.commands.hget(prefix + "meta", "w")) == 0
+    assert (await q.dequeue()).tolist() == 1  # the rest is untouched
+
+
+async def _pending_dequeues(q):
+    return (await q.stats()).pending_dequeues == 1
+
+
 async def test_nack_puts_back_at_the_front_in_order(client):
     q = fifo(client)
     await q.enqueue_many(np.arange(5, dtype=I64))
