@@ -289,6 +289,16 @@ class Client:
         except resp.ReplyError as exc:
             raise translate(exc) from exc
 
+    async def _lean_now(self) -> resp.Connection | None:
+        """The lean connection, opened if it is missing or dead; None where there is
+        none (fakeredis) or once :meth:`close` closed them."""
+        if self._endpoint is None:
+            return None
+        conn = self._lean
+        if conn is None or conn._failure is not None:
+            conn = await self._open_lean()
+        return conn
+
     async def _open_lean(self) -> resp.Connection | None:
         """The shared lean connection, opened if it is missing or dead; None once
         :meth:`close` closed the lean connections.
@@ -388,16 +398,13 @@ class Client:
         Raises:
             UnavailableError: the server cannot be reached.
         """
-        if self._endpoint is not None:
-            conn = self._lean
-            if conn is None or conn._failure is not None:
-                conn = await self._open_lean()
-            if conn is not None:
-                try:
-                    replies = await conn.call_many(commands)
-                except TypeError as exc:
-                    raise InternalError(f"unexpected Redis error: {exc}") from exc
-                return [_error_in_place(r) for r in replies]
+        conn = await self._lean_now()
+        if conn is not None:
+            try:
+                replies = await conn.call_many(commands)
+            except TypeError as exc:
+                raise InternalError(f"unexpected Redis error: {exc}") from exc
+            return [_error_in_place(r) for r in replies]
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in commands:
@@ -421,29 +428,26 @@ class Client:
         """
         script = None if name is None else self._script(name)
         command = None if script is None else (b"EVALSHA", script.sha, len(keys), *keys, *args)
-        if self._endpoint is not None:
-            conn = self._lean
-            if conn is None or conn._failure is not None:
-                conn = await self._open_lean()
-            if conn is not None:
-                try:
-                    replies = await conn.call_many(
-                        [*commands] if command is None else [*commands, command]
-                    )
-                except TypeError as exc:
-                    raise InternalError(f"unexpected Redis error: {exc}") from exc
-                reply = None
-                if command is not None:
-                    reply = replies.pop()
-                    if isinstance(reply, resp.ReplyError):
-                        if reply.code != "NOSCRIPT":
-                            raise translate(reply) from reply
-                        assert script is not None
-                        reply = await self._load_then_run(conn, script, command)
-                for r in replies:
-                    if isinstance(r, resp.ReplyError):
-                        raise translate(r) from r
-                return replies, reply
+        conn = await self._lean_now()
+        if conn is not None:
+            try:
+                replies = await conn.call_many(
+                    [*commands] if command is None else [*commands, command]
+                )
+            except TypeError as exc:
+                raise InternalError(f"unexpected Redis error: {exc}") from exc
+            reply = None
+            if command is not None:
+                reply = replies.pop()
+                if isinstance(reply, resp.ReplyError):
+                    if reply.code != "NOSCRIPT":
+                        raise translate(reply) from reply
+                    assert script is not None
+                    reply = await self._load_then_run(conn, script, command)
+            for r in replies:
+                if isinstance(r, resp.ReplyError):
+                    raise translate(r) from r
+            return replies, reply
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in commands:
@@ -517,21 +521,18 @@ class Client:
         """
         script = self._script(name)
         command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
-        if self._endpoint is not None:
-            conn = self._lean
-            if conn is None or conn._failure is not None:
-                conn = await self._open_lean()
-            if conn is not None:
-                try:
-                    reply, *replies = await conn.call_many([command, *after])
-                except TypeError as exc:
-                    raise InternalError(f"unexpected Redis error: {exc}") from exc
-                if isinstance(reply, resp.ReplyError):
-                    if reply.code != "NOSCRIPT":
-                        raise translate(reply) from reply
-                    reply = await self._load_then_run(conn, script, command)
-                    replies = await conn.call_many(after)
-                return reply, replies
+        conn = await self._lean_now()
+        if conn is not None:
+            try:
+                reply, *replies = await conn.call_many([command, *after])
+            except TypeError as exc:
+                raise InternalError(f"unexpected Redis error: {exc}") from exc
+            if isinstance(reply, resp.ReplyError):
+                if reply.code != "NOSCRIPT":
+                    raise translate(reply) from reply
+                reply = await self._load_then_run(conn, script, command)
+                replies = await conn.call_many(after)
+            return reply, replies
         reply = await self.run_script(name, keys, args)
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)

@@ -1064,9 +1064,13 @@ class Shard:
             return None
         opt = self.optimizer
         plans = []
+        total = 0
         for name in names:
             o, v = self.owned[name], pending[name]
             if not (v.dense or (isinstance(opt, Adam) and not opt.lazy)):
+                return None
+            total += o.var.nbytes * (1 + len(o.slots))
+            if total > AT_ONCE_BYTES:  # one write of it all would be a fresh large buffer
                 return None
             t, version = self._next(o, v, updates)
             plan = o.var.publish_plan(
@@ -1401,6 +1405,12 @@ def _raw(delivery: Delivery | None) -> bytes:
 
 async def _nothing() -> None:
     return None
+
+
+#: At most this many bytes of variables and slots are committed in one round trip
+#: (:meth:`Shard._commit_at_once`); larger groups commit variable by variable, each in
+#: pipelines of at most WRITE_BATCH_BYTES.
+AT_ONCE_BYTES = 16 << 20
 
 
 class _Fallback(Exception):
