@@ -125,6 +125,7 @@ async def test_max_group_1_commits_each_message(client: qps.Client) -> None:
     await _check_state(client, opt)
 
 
+@pytest.mark.no_cluster(reason="commits go at once on a single server (keys of many slots)")
 async def test_commits_sent_at_once_survive_a_flushed_script_cache(
     client: qps.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
