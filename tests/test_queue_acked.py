@@ -153,6 +153,38 @@ async def test_timeout_gives_back(client):
     assert await q.size() == 1
 
 
+async def test_fast_paths_beside_held_deliveries_but_not_past_a_lapsed_one(
+    make_client, monkeypatch
+):
+    """An acknowledged delivery held by one consumer does not keep the others off the
+    queues' fast paths; one whose lease ran out does: it goes back to the front (the
+    full script's reap) before an enqueue hands anything to a waiting consumer."""
+    # longer than a wait's 1 s block (waiters renew their own leases once per block)
+    monkeypatch.setattr("qps.queues.base.LEASE_MS", 2500)
+    a, b = await make_client(), await make_client()
+    qa, qb = fifo(a), fifo(b)
+    prefix = keys.queue_prefix("default", "acked")
+    await qa.enqueue_many(np.arange(3, dtype=I64))
+    held = await qa.dequeue_acked()  # 0, held by a, never acked
+    got = await qb.dequeue_acked()  # beside a's lease
+    await qb.enqueue(I64(5))
+    assert (int(held.value), int(got.value)) == (0, 1)
+    await qb.ack(got)
+    assert (await qb.dequeue_many(2)).tolist() == [2, 5]
+    waiting = asyncio.ensure_future(qb.dequeue_acked(timeout=30))
+    await until(lambda: _pending_dequeues(qb))
+
+    async def lapsed():
+        now = await a.commands.time()
+        ms = now[0] * 1000 + now[1] // 1000
+        return (await a.commands.zscore(prefix + "lease", "r|" + held.tokens[0])) < ms
+
+    await until(lapsed)
+    await qa.enqueue(I64(9))  # a lapsed lease: the full script puts 0 back first
+    assert int((await waiting).value) == 0
+    assert (await qa.dequeue()).tolist() == 9
+
+
 async def test_expired_lease_redelivers_and_late_ack_fails(make_client, monkeypatch):
     # longer than a wait's 1 s block (waiters renew their own leases once per block)
     monkeypatch.setattr("qps.queues.base.LEASE_MS", 2500)

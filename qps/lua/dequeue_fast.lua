@@ -9,8 +9,8 @@ do
   local P = string.sub(KEYS[1], 1, -5)
   -- A: lease, id, n, mode, nowait, previous delivery record, acked (only 0 here), and
   -- wake (optional: 1 if the caller's wait follows in its pipeline; see dequeue.lua)
-  local ms, id, n, mode, nowait, prev, wake =
-    string.match(ARGV[1], '^(%S+) (%S+) (%d+) (%a+) ([01]) (%S+) 0 ?([01]?)$')
+  local ms, id, n, mode, nowait, prev, acked, wake =
+    string.match(ARGV[1], '^(%S+) (%S+) (%d+) (%a+) ([01]) (%S+) ([01]) ?([01]?)$')
   local function woken(reply)
     if wake == '1' then
       redis.call('RPUSH', P .. 'a:' .. id .. ':w', 1)
@@ -25,12 +25,49 @@ do
   end
   local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
   local items = P .. 'items'
-  if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and M[3] == '0'
-      and n >= 1 and n <= 500 and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
+  local lease = P .. 'lease'
+  local w = tonumber(M[3]) or 0
+  local now
+  -- Leases but no attempt pending (w counts both): acknowledged deliveries held by
+  -- their consumers (a PS shard reading ahead). Nothing to flush then, and nothing to
+  -- reap if no lease has run out: the fast path holds.
+  local quiet = w == 0
+  if not quiet and id and redis.call('LLEN', P .. 'dw') == 0
+      and redis.call('LLEN', P .. 'ew') == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    quiet = #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0
+  end
+  if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and quiet
+      and (acked == '0' or n == 1) and n >= 1 and n <= 500
+      and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
     local x = tonumber(M[4]) or 0
     local len = redis.call('LLEN', items)
-    if x == 0 and len >= n then
+    if acked == '1' then
+      -- An acknowledged dequeue of one plain element, or a wait for one (as the full
+      -- script: the record and an 'r|<id>' lease stay until the ack).
+      if not now then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      end
+      if x == 0 and len >= 1 then
+        local vals = redis.call('LPOP', items, 1)
+        redis.call('RPUSH', hk, vals[1])
+        redis.call('ZADD', lease, now + tonumber(ms), 'r|' .. id)
+        redis.call('HINCRBY', KEYS[1], 'w', 1)
+        redis.call('HINCRBY', KEYS[1], 'deq', 1)
+        return woken({'ok', vals})
+      elseif x == 0 and len == 0 and nowait == '0' then
+        local e = 'd|1|' .. mode .. 'A|' .. id
+        redis.call('RPUSH', P .. 'dw', e)
+        redis.call('ZADD', lease, now + tonumber(ms), e)
+        redis.call('HINCRBY', KEYS[1], 'w', 1)
+        return {'wait'}
+      end
+    elseif w > 0 then
+      -- (a plain dequeue among held deliveries: the full script)
+    elseif x == 0 and len >= n then
       local vals = redis.call('LPOP', items, n)
       redis.call('RPUSH', hk, unpack(vals))
       redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS

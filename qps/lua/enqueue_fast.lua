@@ -1,19 +1,26 @@
 -- The enqueue fast path, run before the full script (qps.transport puts this file first
 -- and the full script, queue_common.lua included, in a function called only when this
 -- part falls through). It covers the common case with none of the full script's
--- set-up: an open list queue (FIFO, padding) with no attempt pending (w == 0) and room
+-- set-up: an open list queue (FIFO, padding) with no attempt pending and room
 -- for every element, none of them a reference to a large element's chunks (one batch
 -- entry 'QB|...' alone is fine: its buffer's keys are persisted here). Anything else,
 -- or a tombstone of this attempt, falls through to the full script.
--- A second case: one element for the one attempt pending (w == 1), a dequeue of one
+-- A second case: one element for the one attempt pending, a dequeue of one
 -- element (acknowledged or not) waiting on an empty queue with its lease valid: hand the
 -- element to it as the full script's flush would (its delivery record, the 'r|' lease,
 -- its outcome and wake token; a plain element needs no hand_over).
+-- Both hold with acknowledged deliveries held by consumers ('r|' leases: w counts them
+-- too) as long as none of those leases has run out (the full script would put those
+-- elements back first).
 local M = redis.call('HMGET', KEYS[1], 'kind', 'cap', 'closed', 'w', 'x')
+local W = tonumber(M[4]) or 0
+local function lapsed(lease, now)  -- whether some lease has run out
+  return #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) > 0
+end
 do
   local P = string.sub(KEYS[1], 1, -5)
   local ms, id = string.match(ARGV[1], '^(%S+) (%S+) 0$')  -- A: lease, id, nowait
-  if M[4] == '1' and id and #ARGV == 2 and (M[1] == 'fifo' or M[1] == 'padding')
+  if W >= 1 and id and #ARGV == 2 and (M[1] == 'fifo' or M[1] == 'padding')
       and M[3] == '0' and (tonumber(M[5]) or 0) == 0 and tonumber(M[2]) ~= 0 then
     local v = ARGV[2]
     local b1, b2, b3 = string.byte(v, 1, 3)
@@ -28,7 +35,8 @@ do
       local t = redis.call('TIME')
       local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
       if mode and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
-          and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now then
+          and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now
+          and (W == 1 or not lapsed(lease, now)) then
         local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
         redis.call('RPUSH', hk, v)
         redis.call('LPOP', dw)
@@ -46,9 +54,14 @@ do
 end
 do
   local n = #ARGV - 1
-  if (M[1] == 'fifo' or M[1] == 'padding') and M[3] == '0' and M[4] == '0'
+  local P = string.sub(KEYS[1], 1, -5)
+  local quiet = W == 0
+  if not quiet and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', P .. 'dw') == 0 then
+    local t = redis.call('TIME')
+    quiet = not lapsed(P .. 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  end
+  if (M[1] == 'fifo' or M[1] == 'padding') and M[3] == '0' and quiet
       and n >= 1 and n <= 500 then
-    local P = string.sub(KEYS[1], 1, -5)
     local id = string.match(ARGV[1], '^%S+ (%S+) 0$')  -- A: lease, id, nowait
     local plain = id ~= nil
     local count = n  -- elements
