@@ -1,14 +1,18 @@
 -- The dequeue fast path (see enqueue_fast.lua): an open list queue with no attempt
--- pending (w == 0) that holds at least n elements, either as plain entries (x == 0: one
--- element per entry) or as a batch entry 'QB|...' at the head with at least n rows. It
--- does what the full script does in that case: take n, keep them as the delivery record
--- a:<id>:h, count them, and give out-of-line chunks of delivered large elements their TTL.
--- An empty one (and a dequeue that may wait): register the attempt, as the full script
--- does then (nothing to serve, nothing pending to flush).
+-- pending and no lease run out (leases of acknowledged deliveries that consumers hold
+-- may be there: with no attempt pending there is nothing to flush, and nothing to reap)
+-- that holds at least n elements, either as plain entries (x == 0: one element per
+-- entry) or as a batch entry 'QB|...' at the head with at least n rows. It does what the
+-- full script does in that case: take n, keep them as the delivery record a:<id>:h, count
+-- them, and give out-of-line chunks of delivered large elements their TTL. An
+-- acknowledged dequeue (of one plain element here) keeps its record and gets an
+-- 'r|<id>' lease instead, until the ack. An empty one (and a dequeue that may wait):
+-- register the attempt, as the full script does then (nothing to serve, nothing pending
+-- to flush).
 do
   local P = string.sub(KEYS[1], 1, -5)
-  -- A: lease, id, n, mode, nowait, previous delivery record, acked (only 0 here), and
-  -- wake (optional: 1 if the caller's wait follows in its pipeline; see dequeue.lua)
+  -- A: lease, id, n, mode, nowait, previous delivery record, acked (0/1), and wake
+  -- (optional: 1 if the caller's wait follows in its pipeline; see dequeue.lua)
   local ms, id, n, mode, nowait, prev, acked, wake =
     string.match(ARGV[1], '^(%S+) (%S+) (%d+) (%a+) ([01]) (%S+) ([01]) ?([01]?)$')
   local function woken(reply)
@@ -18,6 +22,10 @@ do
     end
     return reply
   end
+  local function now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
   n = tonumber(n)
   if prev and prev ~= '-' then  -- drop_record (queue_common.lua)
     local bk = P .. 'b:' .. prev
@@ -26,17 +34,11 @@ do
   local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
   local items = P .. 'items'
   local lease = P .. 'lease'
-  local w = tonumber(M[3]) or 0
-  local now
-  -- Leases but no attempt pending (w counts both): acknowledged deliveries held by
-  -- their consumers (a PS shard reading ahead). Nothing to flush then, and nothing to
-  -- reap if no lease has run out: the fast path holds.
-  local quiet = w == 0
+  -- w counts the attempts pending and the leases of held deliveries together
+  local quiet = (tonumber(M[3]) or 0) == 0
   if not quiet and id and redis.call('LLEN', P .. 'dw') == 0
       and redis.call('LLEN', P .. 'ew') == 0 then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    quiet = #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0
+    quiet = #redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms(), 'LIMIT', 0, 1) == 0
   end
   if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and quiet
       and (acked == '0' or n == 1) and n >= 1 and n <= 500
@@ -44,30 +46,14 @@ do
     local hk = P .. 'a:' .. id .. ':h'
     local x = tonumber(M[4]) or 0
     local len = redis.call('LLEN', items)
-    if acked == '1' then
-      -- An acknowledged dequeue of one plain element, or a wait for one (as the full
-      -- script: the record and an 'r|<id>' lease stay until the ack).
-      if not now then
-        local t = redis.call('TIME')
-        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      end
-      if x == 0 and len >= 1 then
-        local vals = redis.call('LPOP', items, 1)
-        redis.call('RPUSH', hk, vals[1])
-        redis.call('ZADD', lease, now + tonumber(ms), 'r|' .. id)
-        redis.call('HINCRBY', KEYS[1], 'w', 1)
-        redis.call('HINCRBY', KEYS[1], 'deq', 1)
-        return woken({'ok', vals})
-      elseif x == 0 and len == 0 and nowait == '0' then
-        local e = 'd|1|' .. mode .. 'A|' .. id
-        redis.call('RPUSH', P .. 'dw', e)
-        redis.call('ZADD', lease, now + tonumber(ms), e)
-        redis.call('HINCRBY', KEYS[1], 'w', 1)
-        return {'wait'}
-      end
-    elseif w > 0 then
-      -- (a plain dequeue among held deliveries: the full script)
-    elseif x == 0 and len >= n then
+    if acked == '1' and x == 0 and len >= 1 then
+      local vals = redis.call('LPOP', items, 1)
+      redis.call('RPUSH', hk, vals[1])
+      redis.call('ZADD', lease, now_ms() + tonumber(ms), 'r|' .. id)
+      redis.call('HINCRBY', KEYS[1], 'w', 1)
+      redis.call('HINCRBY', KEYS[1], 'deq', 1)
+      return woken({'ok', vals})
+    elseif acked == '0' and x == 0 and len >= n then
       local vals = redis.call('LPOP', items, n)
       redis.call('RPUSH', hk, unpack(vals))
       redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
@@ -84,7 +70,7 @@ do
       end
       redis.call('HINCRBY', KEYS[1], 'deq', n)
       return woken({'ok', vals})
-    elseif x > 0 then
+    elseif acked == '0' and x > 0 then
       local head = redis.call('LINDEX', items, 0)
       local bid, first, rows, size
       if head then
@@ -120,11 +106,9 @@ do
         return woken({'ok', {v}})
       end
     elseif x == 0 and len == 0 and nowait == '0' then  -- wait (lease_add, as the full script)
-      local e = 'd|' .. n .. '|' .. mode .. '|' .. id
-      local t = redis.call('TIME')
-      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      local e = 'd|' .. n .. '|' .. mode .. (acked == '1' and 'A' or '') .. '|' .. id
       redis.call('RPUSH', P .. 'dw', e)
-      redis.call('ZADD', P .. 'lease', now + tonumber(ms), e)
+      redis.call('ZADD', lease, now_ms() + tonumber(ms), e)
       redis.call('HINCRBY', KEYS[1], 'w', 1)
       return {'wait'}
     end

@@ -14,6 +14,10 @@
 -- elements back first).
 local M = redis.call('HMGET', KEYS[1], 'kind', 'cap', 'closed', 'w', 'x')
 local W = tonumber(M[4]) or 0
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function lapsed(lease, now)  -- whether some lease has run out
   return #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) > 0
 end
@@ -32,8 +36,7 @@ do
       local e = redis.call('LINDEX', dw, 0)
       local mode, did = string.match(e, '^d|1|(%a+)|(.+)$')
       local lease = P .. 'lease'
-      local t = redis.call('TIME')
-      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      local now = now_ms()
       if mode and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
           and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now
           and (W == 1 or not lapsed(lease, now)) then
@@ -57,8 +60,7 @@ do
   local P = string.sub(KEYS[1], 1, -5)
   local quiet = W == 0
   if not quiet and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', P .. 'dw') == 0 then
-    local t = redis.call('TIME')
-    quiet = not lapsed(P .. 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+    quiet = not lapsed(P .. 'lease', now_ms())
   end
   if (M[1] == 'fifo' or M[1] == 'padding') and M[3] == '0' and quiet
       and n >= 1 and n <= 500 then
