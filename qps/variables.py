@@ -483,17 +483,24 @@ async def _execute_then(client: Client, pipe: Any, script: Any, keys: Any, args:
     return reply
 
 
-async def load_scripts(client: Client) -> None:
-    """Load the variable scripts into the server (for callers that run them by SHA
-    among plain commands: :meth:`Variable.publish_plan`).
+async def load_publish_script(client: Client) -> None:
+    """Load the commit (publish) script into the server, for a caller that runs it by
+    SHA among plain commands (:meth:`Variable.publish_plan`).
 
     Raises:
         UnavailableError: the server cannot be reached.
     """
-    scripts = _scripts_of(client)
     with map_errors():
-        for script in (scripts.publish, scripts.read):
-            await client.commands.script_load(script.script)
+        await client.commands.script_load(_scripts_of(client).publish.script)
+
+
+class _Publication(NamedTuple):
+    gen: str
+    view: memoryview
+    slots: dict[str, memoryview] | None
+    args: list[Any]
+    version: int
+    token: int
 
 
 def _ranges_arg(
@@ -905,38 +912,40 @@ class Variable:
                 ``slots`` are not the stored slots.
             NotFoundError: the variable was deleted (its container reset).
         """
+        p = self._publication(value, version, token, slots, applied, t)
+        client = await self._c()
+        # The flip goes in the round trip of the last chunks. No clean-up if it fails: the
+        # flip may have happened with its reply lost, and then these keys are the current
+        # value. Uncommitted ones expire (STAGE_TTL_MS).
+        flip = (_scripts_of(client).publish, [self._meta], p.args)
+        reply = await self._write(client, p.gen, p.view, p.slots, then=flip)
+        self._check_write(reply, "publish", p.version, p.token)
+
+    def _publication(
+        self,
+        value: Any,
+        version: int,
+        token: int,
+        slots: Mapping[str, Any] | None,
+        applied: str | Sequence[str] | None,
+        t: int,
+    ) -> _Publication:
+        """A publish's checked inputs, its new generation and the flip script's
+        arguments (see :meth:`publish`)."""
         version = check_counter(version, "version")
         token = check_counter(token, "token")
-        arr = self._check_value(value)
+        view = _as_bytes(self._check_value(value))
         slot_views = None
         if slots is not None:
             slot_views = {
                 self._check_slot_name(n): _as_bytes(self._check_value(v)) for n, v in slots.items()
             }
-        client = await self._c()
         gen = secrets.token_hex(8)
-        args = self._publish_args(gen, version, token, slot_views, applied, t)
-        # The flip goes in the round trip of the last chunks. No clean-up if it fails: the
-        # flip may have happened with its reply lost, and then these keys are the current
-        # value. Uncommitted ones expire (STAGE_TTL_MS).
-        flip = (_scripts_of(client).publish, [self._meta], args)
-        reply = await self._write(client, gen, _as_bytes(arr), slot_views, then=flip)
-        self._check_write(reply, "publish", version, token)
-
-    def _publish_args(
-        self,
-        gen: str,
-        version: int,
-        token: int,
-        slot_views: Mapping[str, Any] | None,
-        applied: str | Sequence[str] | None,
-        t: int,
-    ) -> list[Any]:
         args: list[Any] = [token, version, gen, self._layout.nseg, PREV_TTL_MS, self.nbytes]
         if slot_views is not None:
             first, more = _applied_ids(applied)
             args += [",".join(slot_views), first, check_counter(t, "t"), APPLIED_KEEP_MS, *more]
-        return args
+        return _Publication(gen, view, slot_views, args, version, token)
 
     def publish_plan(
         self,
@@ -955,26 +964,19 @@ class Variable:
         or the variable was not opened yet (then call :meth:`publish`).
 
         The caller sends the commands in order on one connection. Should the script
-        come back NOSCRIPT, it did not run: load it (:func:`load_scripts`) and publish
+        come back NOSCRIPT, it did not run: load it (:func:`load_publish_script`) and publish
         again. No clean-up otherwise (see :meth:`publish`)."""
         if not self._opened or self._client is None:
             return None
         if self.nbytes * (1 + len(slots)) > WRITE_BATCH_BYTES:
             return None
-        version = check_counter(version, "version")
-        token = check_counter(token, "token")
-        arr = self._check_value(value)
-        slot_views = {
-            self._check_slot_name(n): _as_bytes(self._check_value(v)) for n, v in slots.items()
-        }
-        gen = secrets.token_hex(8)
-        args = self._publish_args(gen, version, token, slot_views, applied, t)
-        commands = [c for b in self._write_batches(gen, _as_bytes(arr), slot_views) for c in b]
+        p = self._publication(value, version, token, slots, applied, t)
+        commands = [c for b in self._write_batches(p.gen, p.view, p.slots) for c in b]
         sha = _scripts_of(self._client).publish.sha
-        commands.append(("EVALSHA", sha, 1, self._meta, *args))
+        commands.append(("EVALSHA", sha, 1, self._meta, *p.args))
 
         def check(reply: Any) -> None:
-            self._check_write(reply, "publish", version, token)
+            self._check_write(reply, "publish", p.version, p.token)
 
         return commands, check
 

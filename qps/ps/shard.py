@@ -1042,6 +1042,12 @@ class Shard:
                 failed.append((name, r))
         return failed
 
+    def _whole(self, v: _Pending) -> bool:
+        """Whether a commit writes the whole variable: a dense gradient's, or any under
+        TF1's Adam, whose sparse apply moves every row (else only the rows touched)."""
+        opt = self.optimizer
+        return v.dense or (isinstance(opt, Adam) and not opt.lazy)
+
     def _next(self, o: _Owned, v: _Pending, updates: int | None) -> tuple[int, int]:
         """``(t, version)`` of ``o`` once ``v`` is committed (``updates`` updates, else one
         per message)."""
@@ -1062,12 +1068,11 @@ class Shard:
         (``gs_ids`` unless its script ran here)."""
         if self.client.cluster or not names:
             return None
-        opt = self.optimizer
         plans = []
         total = 0
         for name in names:
             o, v = self.owned[name], pending[name]
-            if not (v.dense or (isinstance(opt, Adam) and not opt.lazy)):
+            if not self._whole(v):
                 return None
             total += o.var.nbytes * (1 + len(o.slots))
             if total > AT_ONCE_BYTES:  # one write of it all would be a fresh large buffer
@@ -1080,14 +1085,15 @@ class Shard:
                 return None
             plans.append(plan)
         if not self._scripts_loaded:
-            await variables.load_scripts(self.client)
+            await variables.load_publish_script(self.client)
             with map_errors():
                 await self.client.commands.script_load(_COUNT_STEPS)
             self._scripts_loaded = True
         commands = [c for cmds, _ in plans for c in cmds]
         if gs_ids:
             await self._open_global_step()
-            commands.append(("EVALSHA", self._step_script.sha, *self._step_args(gs_ids)))
+            sha, gk = self._step_script.sha, self._step_keys()
+            commands.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
         replies = await self.client.run_commands_replies(commands)
         results: list[BaseException | None] = []
         at = 0
@@ -1098,8 +1104,9 @@ class Shard:
                 if isinstance(r, BaseException):
                     raise r
             if isinstance(reply, BaseException):
-                self._scripts_loaded = self._scripts_loaded and not is_noscript(reply)
-                results.append(_Fallback() if is_noscript(reply) else reply)
+                missing = is_noscript(reply)  # then it did not run: load it again
+                self._scripts_loaded = self._scripts_loaded and not missing
+                results.append(_Fallback() if missing else reply)
                 continue
             try:
                 check(reply)
@@ -1122,10 +1129,8 @@ class Shard:
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
         """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it
         (as ``updates`` updates if given: one aggregated update of several messages)."""
-        opt = self.optimizer
         t, version = self._next(o, v, updates)
-        full = v.dense or (isinstance(opt, Adam) and not opt.lazy)  # TF1 Adam moves every row
-        if full:
+        if self._whole(v):
             await o.var.publish(o.value, version, self.token, slots=o.slots, applied=v.ids, t=t)
         else:
             rows = np.unique(np.concatenate(v.rows))
@@ -1272,9 +1277,8 @@ class Shard:
 
     async def _advance_global_step(self, ids: list[str]) -> None:
         await self._open_global_step()
-        numkeys, *both = self._step_args(ids)
         with map_errors():
-            await self._step_script(keys=both[:numkeys], args=both[numkeys:])
+            await self._step_script(keys=self._step_keys(), args=[APPLIED_KEEP_MS, *ids])
 
     async def _open_global_step(self) -> None:
         if not self._gs_opened:
@@ -1282,14 +1286,11 @@ class Shard:
             await counter.get()  # creates and registers it
             self._gs_opened = True
 
-    def _step_args(self, ids: Sequence[str]) -> list[Any]:
-        """The global-step script's key count, keys and arguments (counting ``ids``)."""
+    def _step_keys(self) -> list[str]:
+        """The global-step script's keys (its arguments: APPLIED_KEEP_MS, the ids)."""
         return [
-            2,
             keys.counter_key(self.container, keys.GLOBAL_STEP),
             keys.counter_applied(self.container, keys.GLOBAL_STEP),
-            APPLIED_KEEP_MS,
-            *ids,
         ]
 
     async def _released(self, g: _Group) -> None:

@@ -741,7 +741,7 @@ class QueueBase:
         mode: str,
         timeout: float | None,
         nowait: bool,
-        acked: list[str] | None = None,
+        acked: _Tokens | None = None,
     ) -> list[np.ndarray]:
         """Take ``n`` good elements (fewer for a closed ``upto``) and return their
         components: one element's for mode ``one``, else stacked into batch arrays.
@@ -768,7 +768,7 @@ class QueueBase:
         mode: str,
         timeout: float | None,
         nowait: bool,
-        acked: list[str] | None,
+        acked: _Tokens | None,
     ) -> list[np.ndarray]:
         flag = "A" if acked is not None else ""
         # A list queue's delivery of one whole batch buffer takes the buffer along
@@ -803,8 +803,7 @@ class QueueBase:
                 blobs = self._strip_keys(stored)
                 if acked is not None:
                     acked.append(aid)
-                    if isinstance(acked, _Tokens) and any(is_ref(b) for b in blobs):
-                        acked.refs = True
+                    acked.refs = acked.refs or any(is_ref(b) for b in blobs)
                 joined = None
                 rows = handed_rows(aid, blobs, sink[0] if sink else None)
                 if rows is not None:
