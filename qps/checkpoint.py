@@ -20,6 +20,17 @@ slots and ``t`` agree, and the global step is the one of that instant. Training 
 paused only for that ``EXEC`` (an in-server copy of the model); the pinned copies are
 then read at leisure, written to disk and deleted.
 
+**On Redis Cluster** no transaction spans slots, so the same script also *holds* each
+variable (a ``hold`` time in its meta): until the snapshot releases it, every write
+script of the variable refuses with ``held`` and writes nothing, and the writer waits
+in ``BLPOP`` on ``<V>unheld`` (:class:`qps.variables.CheckpointHold`). The scripts of
+all variables run concurrently, one pipeline per node; once every variable is held the
+counters, config and placement are read, then every hold is released (the waiting
+commits go on). As no variable changed after its pin, the pinned copies together are
+the state of the job at the instant the last hold was placed: the same guarantee as the
+single server's, a shard's group commit being one script per variable on both. A saver
+that dies holding variables stalls their commits for at most :data:`HOLD_MS`.
+
 **On disk** the checkpoint is written to a temporary directory next to the target,
 every file fsynced, then renamed into place: a crash leaves either no checkpoint or a
 whole one. :func:`restore` verifies every checksum and every array before it writes
@@ -56,7 +67,7 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.session import Session
-from qps.transport import Client, map_errors
+from qps.transport import Client, map_errors, pipeline_script
 from qps.variables import Variable
 from qps.varspec import Layout, VariableSpec, dtype_name
 
@@ -82,12 +93,25 @@ PIN_TTL_MS = 600_000
 #: Attempts at a snapshot whose set of variables or counters changed while it was taken.
 SNAPSHOT_ATTEMPTS = 5
 
-# KEYS[1]: a variable's meta. ARGV: snapshot id, TTL of the pinned copies (ms).
-# Copies the segments of the current value generation and of the current slot
+#: How long a snapshot on Redis Cluster may hold the variables (their commits wait
+#: meanwhile) if the saver dies before it releases them; a save releases them as soon as
+#: it has pinned them all and read the counters (milliseconds, in-server copies).
+HOLD_MS = 10_000
+
+# KEYS[1]: a variable's meta. ARGV: snapshot id, TTL of the pinned copies (ms)[, hold
+# (ms)]. Copies the segments of the current value generation and of the current slot
 # generation to P ck:<id>:d:<i> and P ck:<id>:o:<slot>:<i> (same hash tag: same slot),
-# and returns the meta hash and the applied ids, all as of this instant.
+# and returns the meta hash and the applied ids, all as of this instant. With a hold
+# (a snapshot on Redis Cluster), the variable's writes are refused ('held', see
+# qps.variables) until _RELEASE or for that long.
 _SNAPSHOT = """
 local P = string.sub(KEYS[1], 1, -5)
+if ARGV[3] and redis.call('EXISTS', KEYS[1]) == 1 then
+  local t = redis.call('TIME')
+  local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], 'hold', string.format('%.0f', until_ms), 'hold_by', ARGV[1])
+  redis.call('DEL', P .. 'unheld')
+end
 local m = redis.call('HGETALL', KEYS[1])
 if #m == 0 then return {'gone'} end
 local f = {}
@@ -114,6 +138,30 @@ if f['slots'] and f['slots'] ~= '' then
   end
 end
 return {'ok', m, redis.call('ZRANGE', P .. 'applied', 0, -1, 'WITHSCORES')}
+"""
+
+# KEYS[1]: a variable's meta. ARGV: snapshot id. Ends the snapshot's hold (not another
+# snapshot's) and wakes the writers waiting for it (BLPOP on P unheld).
+_RELEASE = """
+local P = string.sub(KEYS[1], 1, -5)
+if redis.call('HGET', KEYS[1], 'hold_by') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'hold', 'hold_by')
+redis.call('RPUSH', P .. 'unheld', '1')
+redis.call('PEXPIRE', P .. 'unheld', 60000)
+return 1
+"""
+
+# KEYS[1]: a variable's meta. ARGV: snapshot id. Deletes the snapshot's pinned copies
+# of the variable (as many segments and slots as it has now; any others expire).
+_UNPIN = """
+local pin = string.sub(KEYS[1], 1, -5) .. 'ck:' .. ARGV[1] .. ':'
+local m = redis.call('HMGET', KEYS[1], 'nseg', 'slots')
+local n = tonumber(m[1] or '0')
+for i = 0, n - 1 do redis.call('UNLINK', pin .. 'd:' .. i) end
+for s in string.gmatch(m[2] or '', '[^,]+') do
+  for i = 0, n - 1 do redis.call('UNLINK', pin .. 'o:' .. s .. ':' .. i) end
+end
+return 1
 """
 
 
@@ -211,32 +259,21 @@ class _Snap:
 
 
 async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
-    """Pin every variable's current value and slots and read everything else, in one
-    MULTI/EXEC (see the module docstring)."""
-    script = client.commands.register_script(_SNAPSHOT)
+    """Pin every variable's current value and slots and read everything else, as of one
+    instant of the job (see the module docstring)."""
     vreg, creg = keys.container_variables(container), keys.container_counters(container)
+    take = _take_held if client.cluster else _take_at_once
     for _ in range(SNAPSHOT_ATTEMPTS):
         with map_errors():
             names = sorted(_text(n) for n in await client.commands.smembers(vreg))
             counters = sorted(_text(n) for n in await client.commands.smembers(creg))
-            pipe = client.commands.pipeline(transaction=True)
-            pipe.smembers(vreg)
-            pipe.smembers(creg)
-            pipe.time()
-            pipe.hgetall(keys.ps_config(container))
-            pipe.hgetall(keys.ps_placement(container))
-            for c in counters:
-                pipe.get(keys.counter_key(container, c))
-                pipe.zrange(keys.counter_applied(container, c), 0, -1, withscores=True)
-            for n in names:
-                await script(
-                    keys=[keys.variable_prefix(container, n) + "meta"],
-                    args=[snap_id, PIN_TTL_MS],
-                    client=pipe,
-                )
-            t0 = time.perf_counter()
-            replies = await pipe.execute()
-            pause_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        try:
+            replies = await take(client, container, names, counters, snap_id)
+        except BaseException:
+            await _unpin(client, container, names, snap_id)
+            raise
+        pause_ms = (time.perf_counter() - t0) * 1000
         now_names = sorted(_text(n) for n in replies[0])
         now_counters = sorted(_text(n) for n in replies[1])
         if now_names != names or now_counters != counters:
@@ -282,13 +319,83 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
     )
 
 
-async def _unpin(client: Client, container: str, names: list[str], snap_id: str) -> None:
-    with contextlib.suppress(Exception), map_errors():  # they expire anyway (PIN_TTL_MS)
+def _queue_reads(pipe: Any, container: str, counters: list[str], time: bool = True) -> None:
+    """Queue the snapshot's reads other than the variables' (in the order
+    :func:`_snapshot` takes the replies): the registries, the time (unless ``time`` is
+    false: a cluster pipeline refuses TIME), the PS config and placement, every
+    counter's value and applied ids."""
+    pipe.smembers(keys.container_variables(container))
+    pipe.smembers(keys.container_counters(container))
+    if time:
+        pipe.time()
+    pipe.hgetall(keys.ps_config(container))
+    pipe.hgetall(keys.ps_placement(container))
+    for c in counters:
+        pipe.get(keys.counter_key(container, c))
+        pipe.zrange(keys.counter_applied(container, c), 0, -1, withscores=True)
+
+
+async def _take_at_once(
+    client: Client, container: str, names: list[str], counters: list[str], snap_id: str
+) -> list[Any]:
+    """A single server's snapshot: the reads and every variable's pin in one
+    ``MULTI``/``EXEC``, one instant of the server."""
+    script = client.commands.register_script(_SNAPSHOT)
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=True)
+        _queue_reads(pipe, container, counters)
         for n in names:
-            pattern = keys.glob_escape(keys.variable_checkpoint_prefix(container, n, snap_id))
-            found = [k async for k in client.commands.scan_iter(match=pattern + "*")]
-            if found:
-                await client.commands.unlink(*found)
+            await script(
+                keys=[keys.variable_prefix(container, n) + "meta"],
+                args=[snap_id, PIN_TTL_MS],
+                client=pipe,
+            )
+        return list(await pipe.execute())
+
+
+async def _take_held(
+    client: Client, container: str, names: list[str], counters: list[str], snap_id: str
+) -> list[Any]:
+    """A Redis Cluster's snapshot (no transaction spans slots): every variable is held
+    and pinned, each by one script on its own node (all concurrently); with all of them
+    held, the counters and the rest are read; then the holds are released. While a
+    variable is held its commits wait, so once all are held the pinned copies are the
+    job's state of that instant (see the module docstring)."""
+    meta = [keys.variable_prefix(container, n) + "meta" for n in names]
+    hold = client.commands.register_script(_SNAPSHOT)
+    release = client.commands.register_script(_RELEASE)
+    try:
+        with map_errors():
+            pipe = client.commands.pipeline(transaction=False)
+            for k in meta:
+                await pipeline_script(client, pipe, hold, [k], [snap_id, PIN_TTL_MS, HOLD_MS])
+            pinned = await pipe.execute()
+            pipe = client.commands.pipeline(transaction=False)
+            _queue_reads(pipe, container, counters, time=False)
+            registries = await pipe.execute()
+    finally:
+        with contextlib.suppress(Exception), map_errors():  # else the holds run out
+            pipe = client.commands.pipeline(transaction=False)
+            for k in meta:
+                await pipeline_script(client, pipe, release, [k], [snap_id])
+            await pipe.execute()
+    with map_errors():
+        now = await client.commands.time()
+    return [*registries[:2], now, *registries[2:], *pinned]
+
+
+async def _unpin(client: Client, container: str, names: list[str], snap_id: str) -> None:
+    """Delete the snapshot's pinned copies (one script per variable, all in one
+    pipeline; any left over expire after PIN_TTL_MS)."""
+    if not names:
+        return
+    script = client.commands.register_script(_UNPIN)
+    with contextlib.suppress(Exception), map_errors():
+        pipe = client.commands.pipeline(transaction=False)
+        for n in names:
+            k = keys.variable_prefix(container, n) + "meta"
+            await pipeline_script(client, pipe, script, [k], [snap_id])
+        await pipe.execute()
 
 
 async def _read_pinned(
@@ -353,7 +460,8 @@ async def save(
     """Save a consistent snapshot of the container's variables, optimizer slots,
     applied-message ids, counters (global step included), PS config and placement to
     ``directory``, which must not exist yet (``{step}`` in its name is replaced by the
-    global step). Training goes on meanwhile; it pauses only for one ``MULTI``/``EXEC``.
+    global step). Training goes on meanwhile; it pauses only for one ``MULTI``/``EXEC``
+    (on Redis Cluster: while every variable is held, one round trip per node and back).
 
     Args:
         session_or_client: a :class:`qps.Session` (its container is the default) or a
@@ -363,19 +471,12 @@ async def save(
         progress: called with (variables read, variables) after each one is read.
 
     Raises:
-        FailedPreconditionError: ``directory`` exists already, or ``client`` is a Redis
-            Cluster client (not supported yet).
+        FailedPreconditionError: ``directory`` exists already.
         NotFoundError: the container holds no variables.
         DataLossError: a variable's stored state is incomplete (nothing is written).
     """
     client, cont = _client_and_container(session_or_client, container)
     cont = keys.check_container(cont or keys.DEFAULT_CONTAINER)
-    if client.cluster:
-        raise FailedPreconditionError(
-            "checkpoints do not work on Redis Cluster yet: the snapshot is one MULTI/EXEC "
-            "over every variable and counter of the container, which a cluster refuses "
-            "across slots (docs/deployment.md, 'Redis Cluster')"
-        )
     snap_id = secrets.token_hex(8)
     snap = await _snapshot(client, cont, snap_id)
     try:

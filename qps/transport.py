@@ -907,8 +907,9 @@ def _str_name(command: Sequence[Any]) -> Sequence[Any]:
 
 async def _cluster_enabled(client: Client) -> bool:
     """Whether the server is a Redis Cluster node (``INFO cluster``), asked in place of
-    :meth:`Client.ping`; a server or user that refuses INFO is pinged and taken for a
-    single server.
+    :meth:`Client.ping`. A user that may not run INFO (a @dangerous command, which ACLs
+    often deny) is asked ``CLUSTER INFO`` (@slow) instead: a node answers, a single
+    server refuses (cluster support disabled), and so does a server that denies both.
 
     Raises:
         UnavailableError: the server cannot be reached.
@@ -917,9 +918,14 @@ async def _cluster_enabled(client: Client) -> bool:
         info = await client.commands.info("cluster")
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         raise translate(exc) from exc
-    except RedisError:  # e.g. NOPERM: INFO is a @dangerous command
-        await client.ping()
-        return False
+    except RedisError:  # e.g. NOPERM
+        try:
+            await client.commands.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise translate(exc) from exc
+        except RedisError:
+            return False
+        return True
     return bool(int(info.get("cluster_enabled", 0) or 0))
 
 

@@ -44,7 +44,7 @@ import contextlib
 import re
 import secrets
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -81,6 +81,7 @@ from qps.varspec import (
 
 __all__ = [
     "AlreadyAppliedError",
+    "CheckpointHold",
     "StaleTokenError",
     "Variable",
     "VariableState",
@@ -121,6 +122,17 @@ class StaleTokenError(FailedPreconditionError):
 class AlreadyAppliedError(FailedPreconditionError):
     """A PS commit named a gradient message that the variable records as applied
     already (a redelivery): nothing was changed."""
+
+
+class CheckpointHold(Exception):
+    """A write's script found the variable held by a checkpoint being taken on a Redis
+    Cluster (:mod:`qps.checkpoint`): it wrote nothing. The writes of :class:`Variable`
+    wait for the release and write again; only a caller of :meth:`Variable.publish_plan`
+    sees this (then :meth:`Variable.publish` waits)."""
+
+    def __init__(self, where: str, left_ms: int) -> None:
+        super().__init__(f"{where} is held by a checkpoint for at most {left_ms} ms more")
+        self.left_ms = left_ms
 
 
 class VariableState(NamedTuple):
@@ -245,6 +257,16 @@ local function record_applied(ids, keep)
   redis.call('ZREMRANGEBYSCORE', P .. 'applied', '-inf',
     '(' .. string.format('%.0f', now - tonumber(keep)))
 end
+-- nil if no checkpoint holds the variable, else the refusal 'held' with the ms the
+-- hold has left (a snapshot on Redis Cluster holds every variable while it pins them
+-- all: qps.checkpoint); a hold past its time is no hold
+local function held()
+  local h = redis.call('HGET', KEYS[1], 'hold')
+  if not h then return nil end
+  local left = tonumber(h) - tonumber(now_ms())
+  if left <= 0 then return nil end
+  return {'held', string.format('%.0f', left)}
+end
 -- nil (and the meta fields) if a write with this token and version may proceed
 local function check(token, version)
   local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg', 'segb')
@@ -284,6 +306,7 @@ local gen, nseg = ARGV[3], tonumber(ARGV[4])
 local names = split(ARGV[7])
 local ids = commit_ids(8, 11)
 local err, m = check(ARGV[1], nil)
+if not err then err = held() end
 if not err then err = check_commit(ARGV[7], ids) end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
@@ -322,6 +345,7 @@ _PUBLISH_ROWS = """
 local names = split(ARGV[6])
 local ids = commit_ids(7, 10)
 local err, m = check(ARGV[1], nil)
+if not err then err = held() end
 if not err then err = check_commit(ARGV[6], ids) end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
@@ -376,6 +400,7 @@ _INIT_SLOTS = """
 local gen, nseg = ARGV[2], tonumber(ARGV[5])
 local names = split(ARGV[3])
 local err, m = check(ARGV[1], nil)
+if not err then err = held() end
 if not err and (m[5] ~= ARGV[4] or m[6] ~= ARGV[5]) then err = {'changed', m[5]} end
 if not err and not slots_complete(gen, names, nseg, tonumber(m[7]), tonumber(m[5])) then
   err = {'missing', m[5]}
@@ -855,6 +880,8 @@ class Variable:
                 f"{self._where()}: {what} of version {version} refused, the published "
                 f"version is {_text(reply[1])} and versions must increase; nothing changed"
             )
+        if status == "held":
+            raise CheckpointHold(self._where(), int(_text(reply[1])))
         if status == "dup":
             raise AlreadyAppliedError(
                 f"{self._where()}: message {_text(reply[1])} was already applied; nothing changed"
@@ -912,14 +939,33 @@ class Variable:
                 ``slots`` are not the stored slots.
             NotFoundError: the variable was deleted (its container reset).
         """
-        p = self._publication(value, version, token, slots, applied, t)
         client = await self._c()
-        # The flip goes in the round trip of the last chunks. No clean-up if it fails: the
-        # flip may have happened with its reply lost, and then these keys are the current
-        # value. Uncommitted ones expire (STAGE_TTL_MS).
-        flip = (_scripts_of(client).publish, [self._meta], p.args)
-        reply = await self._write(client, p.gen, p.view, p.slots, then=flip)
-        self._check_write(reply, "publish", p.version, p.token)
+
+        async def attempt() -> None:
+            p = self._publication(value, version, token, slots, applied, t)
+            # The flip goes in the round trip of the last chunks. No clean-up if it fails:
+            # the flip may have happened with its reply lost, and then these keys are the
+            # current value. Uncommitted ones expire (STAGE_TTL_MS); a refused flip
+            # deletes them.
+            flip = (_scripts_of(client).publish, [self._meta], p.args)
+            reply = await self._write(client, p.gen, p.view, p.slots, then=flip)
+            self._check_write(reply, "publish", p.version, p.token)
+
+        await self._unless_held(client, attempt)
+
+    async def _unless_held(self, client: Client, attempt: Callable[[], Awaitable[None]]) -> None:
+        """Run ``attempt`` (a write whose script refuses while a checkpoint holds the
+        variable) until it is not refused so: each refusal waits, blocked in Redis, for
+        the checkpoint's release (or for the hold's time to run out)."""
+        while True:
+            try:
+                await attempt()
+                return
+            except CheckpointHold as held:
+                with map_errors():
+                    await client.blocking.blpop(
+                        [self._prefix + "unheld"], timeout=held.left_ms / 1000 + 0.01
+                    )
 
     def _publication(
         self,
@@ -1052,14 +1098,18 @@ class Variable:
         if slot_rows is not None:
             first, more = _applied_ids(applied)
             args += [",".join(slot_rows), first, check_counter(t, "t"), APPLIED_KEEP_MS, *more]
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            pipe.set(stage, _as_bytes(staged), px=STAGE_TTL_MS)
-            await pipeline_script(
-                client, pipe, _scripts_of(client).publish_rows, [self._meta, stage], args
-            )
-            replies = await pipe.execute()
-        self._check_write(replies[-1], "publish_rows", version, token)
+
+        async def attempt() -> None:
+            with map_errors():
+                pipe = client.commands.pipeline(transaction=False)
+                pipe.set(stage, _as_bytes(staged), px=STAGE_TTL_MS)
+                await pipeline_script(
+                    client, pipe, _scripts_of(client).publish_rows, [self._meta, stage], args
+                )
+                replies = await pipe.execute()
+            self._check_write(replies[-1], "publish_rows", version, token)
+
+        await self._unless_held(client, attempt)
 
     async def fence(self, token: int) -> int:
         """Raise the variable's fencing token to ``token`` without writing (a new owner
@@ -1098,12 +1148,16 @@ class Variable:
             self._check_slot_name(n): _as_bytes(self._check_value(v)) for n, v in slots.items()
         }
         client = await self._c()
-        gen = secrets.token_hex(8)
-        await self._write(client, gen, None, views)
-        args: list[Any] = [token, gen, ",".join(views), self.nbytes, self._layout.nseg]
-        with map_errors():
-            reply = await _scripts_of(client).init_slots(keys=[self._meta], args=args)
-        self._check_write(reply, "init_slots", 0, token)
+
+        async def attempt() -> None:
+            gen = secrets.token_hex(8)
+            await self._write(client, gen, None, views)
+            args: list[Any] = [token, gen, ",".join(views), self.nbytes, self._layout.nseg]
+            with map_errors():
+                reply = await _scripts_of(client).init_slots(keys=[self._meta], args=args)
+            self._check_write(reply, "init_slots", 0, token)
+
+        await self._unless_held(client, attempt)
 
     async def read_state(self) -> VariableState:
         """The value, its version, the stored optimizer slots and ``t``, as one snapshot

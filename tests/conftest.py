@@ -19,6 +19,7 @@ instead; flushed between tests too).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import socket
@@ -30,6 +31,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis
 
 from qps import embedded, transport
 from qps.embedded import EmbeddedServer
@@ -76,8 +78,8 @@ def _test_server_binary() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """URL of a real Redis server for this test session."""
+def server_url() -> Iterator[str]:
+    """URL of the single real Redis server of this test session."""
     url = os.environ.get("QPS_TEST_REDIS_URL")
     if url:
         yield url
@@ -275,6 +277,41 @@ def cluster_url(local_cluster: LocalCluster | None) -> str:
     return local_cluster.url
 
 
+#: Where the tests that run a whole job with its own server (``qps train``, ...) run:
+#: on that server, and with the cluster backend on the test cluster too.
+JOB_SERVERS = ["own"] + (["cluster"] if "cluster" in BACKENDS else [])
+
+#: The backends of ``redis_url``: the real ones of BACKENDS (fakeredis cannot be shared
+#: with other processes).
+SERVER_BACKENDS = [b for b in BACKENDS if b != "fakeredis"] or ["redis"]
+
+
+@pytest.fixture(scope="session", params=SERVER_BACKENDS)
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """URL of a real server for the tests that start processes, run the CLI or talk to
+    Redis themselves: the single server, and with the cluster backend any node of the
+    cluster (a test marked ``no_cluster`` is skipped there). Tests share it: they use
+    names of their own."""
+    if request.param == "cluster":
+        return str(request.getfixturevalue("cluster_url"))
+    return str(request.getfixturevalue("server_url"))
+
+
+@functools.lru_cache
+def on_cluster(url: str) -> bool:
+    """Whether ``url`` (a ``redis_url``) is a Redis Cluster node (asked: INFO cluster)."""
+    with redis.Redis.from_url(url) as r:
+        return bool(int(r.info("cluster").get("cluster_enabled", 0)))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("redis_url") == "cluster":
+        marker = item.get_closest_marker("no_cluster")
+        if marker is not None:
+            pytest.skip(f"cluster backend: {marker.kwargs.get('reason', '')}")
+
+
 ClientFactory = Callable[[], Awaitable[transport.Client]]
 
 
@@ -296,7 +333,7 @@ async def make_client(request: pytest.FixtureRequest) -> AsyncIterator[ClientFac
             marker = request.node.get_closest_marker("no_cluster")
             if marker is not None:
                 pytest.skip(f"cluster backend: {marker.kwargs.get('reason', '')}")
-        fixture = "cluster_url" if request.param == "cluster" else "redis_url"
+        fixture = "cluster_url" if request.param == "cluster" else "server_url"
         url = request.getfixturevalue(fixture)
         first = await transport.connect(url)
         assert first.cluster == (request.param == "cluster")

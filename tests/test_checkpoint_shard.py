@@ -9,7 +9,6 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import qps
 from qps import checkpoint
@@ -73,7 +72,6 @@ async def _run(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@pytest.mark.no_cluster(reason="checkpoints do not work on Redis Cluster yet (docs/deployment.md)")
 async def test_shard_resumes_adam_exactly(make_client: ClientFactory, tmp_path: Path) -> None:
     resumed = await _run(make_client, tmp_path, "resumed", True)
     straight = await _run(make_client, tmp_path, "straight", False)

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 import qps
-from qps import checkpoint, transport
+from qps import checkpoint, keys, transport
 from qps.containers import reset
-from qps.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from qps.errors import InvalidArgumentError, UnavailableError
 from tests.conftest import BACKENDS
 
 needs_cluster = pytest.mark.skipif(
@@ -51,11 +51,11 @@ async def test_a_cluster_has_only_database_0() -> None:
         await qps.connect("redis://127.0.0.1:1/3?cluster=yes")
 
 
-async def test_a_cluster_needs_a_tcp_url(redis_url: str) -> None:
-    if not redis_url.startswith("unix:"):
+async def test_a_cluster_needs_a_tcp_url(server_url: str) -> None:
+    if not server_url.startswith("unix:"):
         pytest.skip("the real backend is not on a unix socket")
     with pytest.raises(InvalidArgumentError, match="redis://"):
-        await qps.connect(redis_url + "?cluster=yes")
+        await qps.connect(server_url + "?cluster=yes")
 
 
 def _node(url: str) -> redis.Redis:
@@ -111,10 +111,31 @@ async def test_connect_detects_a_cluster_and_spreads_queues_over_its_nodes(
 
 
 @needs_cluster
-async def test_checkpoints_are_refused_on_a_cluster(cluster_url: str, tmp_path: Any) -> None:
+async def test_a_checkpoint_spans_the_nodes_and_leaves_no_hold(
+    cluster_url: str, tmp_path: Any
+) -> None:
+    """Variables on every primary are saved (each held and pinned on its own node),
+    restored into an emptied container, and no hold or pinned copy stays behind."""
     async with await qps.connect(cluster_url) as client:
-        with pytest.raises(FailedPreconditionError, match="Redis Cluster"):
-            await checkpoint.save(client, tmp_path / "ckpt")
+        await client.commands.flushall()
+        async with qps.Session(client=client, container="ck") as s:
+            for i in range(12):
+                v = s.variable(f"v{i}", (3,), np.float32, initializer="zeros")
+                await v.create()
+                await v.publish(np.full(3, i, np.float32), 1, 1)
+        metas = [keys.variable_prefix("ck", f"v{i}") + "meta" for i in range(12)]
+        assert len({_child_of(client, m) for m in metas}) == 3  # on every primary
+        info = await checkpoint.save(client, tmp_path / "ckpt", container="ck")
+        assert info.variables == 12
+        for m in metas:
+            assert await client.commands.hget(m, "hold") is None
+        assert not [k async for k in client.commands.scan_iter(match="*ck:*")]
+        await reset(client, ["ck"])
+        await checkpoint.restore(client, tmp_path / "ckpt")
+        for i in range(12):
+            got = await qps.variables.open_variable(client, f"v{i}", "ck")
+            value = await got.read()
+            assert value.version == 1 and value.value.tolist() == [i, i, i]
 
 
 @needs_cluster

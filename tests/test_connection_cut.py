@@ -113,7 +113,7 @@ async def proxy(request: pytest.FixtureRequest) -> AsyncIterator[CutProxy]:
         u = urlparse(url)
         if u.scheme not in ("unix", "redis") or u.password or u.username or u.query:
             pytest.skip("the proxy takes a plain redis:// or unix:// server URL")
-    url = request.getfixturevalue("redis_url")
+    url = request.getfixturevalue("server_url")
     async with transport.connected(url) as direct:
         await direct.commands.flushall()
     p = CutProxy(url)

@@ -227,7 +227,6 @@ def test_terminal_bar_with_lines_above_it() -> None:
     assert "120/120" in text and "100%" in text and "global step 120" in text
 
 
-@pytest.mark.no_cluster(reason="checkpoints do not work on Redis Cluster yet (docs/deployment.md)")
 async def test_checkpoint_progress_callbacks(client: qps.Client, tmp_path: Path) -> None:
     c = f"ckp-{secrets.token_hex(4)}"
     async with qps.Session(client=client, container=c) as s:

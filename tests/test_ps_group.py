@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 
 import qps
-from qps import keys
+from qps import checkpoint, keys
 from qps.embedded import EmbeddedServer
 from qps.errors import UnavailableError
 from qps.optimizers import SGD, Adam, Optimizer
 from qps.ps import control
 from qps.ps.shard import Shard, ShardOptions
-from tests.conftest import ClientFactory, until
+from qps.variables import Variable
+from tests.conftest import ClientFactory, cancel_all, until
 
 C = "grp"
 REPO = str(Path(__file__).resolve().parents[1])
@@ -149,6 +150,52 @@ async def test_commits_sent_at_once_survive_a_flushed_script_cache(
     assert len(calls) >= N - 2  # one batch per group, after the fallbacks loaded them
     assert all(n > 2 for n in calls)  # both variables and the global step in each
     await _check_state(client, opt)
+
+
+async def test_commits_wait_while_a_checkpoint_holds_the_variables(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a snapshot holds the variables (as on Redis Cluster), the shard's commits are
+    refused ('held') and wait, blocked in Redis; on a single server the commits sent at
+    once come back refused and go again the usual way. Released, the state is exact."""
+    opt = Adam(learning_rate=0.1)
+    await _setup(client, opt)
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, max_group=1))
+    run = asyncio.create_task(shard.run())
+    await until(lambda: _owns_both(shard))
+    metas = [keys.variable_prefix(C, n) + "meta" for n in ("w", "emb")]
+    for m in metas:
+        await client.commands.eval(checkpoint._SNAPSHOT, 1, m, "s1", 60_000, 60_000)
+    refused: list[str] = []
+    real = Variable._check_write
+
+    def recording(self: Variable, reply: Any, *args: Any) -> None:
+        if reply[0] in (b"held", "held"):
+            refused.append(self.name)
+        real(self, reply, *args)
+
+    monkeypatch.setattr(Variable, "_check_write", recording)
+    try:
+        await _push_all(client)
+        await until(lambda: _both(refused))
+        for name in ("w", "emb"):
+            assert await (await qps.variables.open_variable(client, name, C)).version() == 0
+        assert not run.done()
+        for m in metas:
+            assert await client.commands.eval(checkpoint._RELEASE, 1, m, "s1") == 1
+        await control.mark_finished(client, C)
+        assert await asyncio.wait_for(run, 60) == "finished"
+    finally:
+        await cancel_all([run])
+    await _check_state(client, opt)
+
+
+async def _owns_both(shard: Shard) -> bool:
+    return set(shard.owned) == {"w", "emb"}
+
+
+async def _both(refused: list[str]) -> bool:
+    return set(refused) == {"w", "emb"}
 
 
 async def test_a_failed_group_commit_leaves_nothing_applied(

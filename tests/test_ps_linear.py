@@ -31,6 +31,7 @@ from qps.embedded import EmbeddedServer
 from qps.optimizers import SGD
 from qps.ps import control
 from qps.ps.shard import DEFAULT_MAX_GROUP
+from tests.conftest import JOB_SERVERS
 from tests.ps_linear_worker import FEATURES, closed_form
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -44,13 +45,19 @@ LR = 0.05
 TOL = 1e-3
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
+@pytest.fixture(params=JOB_SERVERS)
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(URL, log directory): a server of its own, and with the cluster backend the test
+    cluster (which the test wipes: tests run one at a time)."""
     run_dir = tempfile.mkdtemp(prefix="qpslin", dir="/tmp")
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster_url"), run_dir
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
     srv = EmbeddedServer(run_dir=run_dir)
     srv.start()
     try:
-        yield srv
+        yield srv.url, run_dir
     finally:
         srv.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -155,14 +162,15 @@ async def _result(client: qps.Client, container: str) -> tuple[np.ndarray, float
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_linear_regression_checkpoint_wipe_restore(
-    server: EmbeddedServer, tmp_path: Path
+    server: tuple[str, str], tmp_path: Path
 ) -> None:
+    url, log_dir = server
     want_w, want_b = closed_form()
-    client = await qps.connect(server.url)
+    client = await qps.connect(url)
     jobs: list[Job] = []
     try:
         # -- run A: train, checkpoint mid-way while the workers push, crash, wipe --------
-        job = Job(server.url, "lin", server.run_dir)
+        job = Job(url, "lin", log_dir)
         jobs.append(job)
         await _setup(client, "lin")
         await job.start(TOTAL_STEPS)
@@ -200,7 +208,7 @@ async def test_linear_regression_checkpoint_wipe_restore(
         assert await control.dead_letters(client, "lin", 0) == []
 
         # -- run B: the same job without the interruption --------------------------------
-        job_b = Job(server.url, "lin-b", server.run_dir)
+        job_b = Job(url, "lin-b", log_dir)
         jobs.append(job_b)
         await _setup(client, "lin-b")
         await job_b.start(TOTAL_STEPS)

@@ -1,6 +1,9 @@
 """The lean RESP2 connection (qps/resp.py) and its use by transport.Client, against
-real servers: the session's embedded server (unix socket) and servers started here on
-TCP (with a password, and with TLS when the binary and openssl allow it)."""
+real servers: the session's single server (unix socket) and servers started here on
+TCP (with a password, and with TLS when the binary and openssl allow it). One server
+process on purpose, also with the cluster backend: a cluster node answers MOVED for the
+keys of other nodes' slots; the cluster's use of these connections (routing, MOVED,
+lost nodes) is tested in tests/test_cluster.py."""
 
 from __future__ import annotations
 
@@ -202,7 +205,7 @@ def test_pack_large_buffers_are_not_copied() -> None:
     assert resp.pack_command((strided,)) == [b"*1\r\n$5\r\n\x00\x02\x04\x06\x08\r\n"]
 
 
-async def test_every_argument_type_round_trips(redis_url: str) -> None:
+async def test_every_argument_type_round_trips(server_url: str) -> None:
     big = np.random.default_rng(1).integers(0, 255, 5 * 2**20 + 7, dtype=np.uint8)
     values: list[Any] = [
         b"bytes",
@@ -215,7 +218,7 @@ async def test_every_argument_type_round_trips(redis_url: str) -> None:
         -7,
         0.25,
     ]
-    async with lean(redis_url) as conn:
+    async with lean(server_url) as conn:
         for i, value in enumerate(values):
             assert await conn.call((b"SET", f"rt:{i}", value)) == b"OK"
         got = await conn.call((b"MGET", *[f"rt:{i}" for i in range(len(values))]))
@@ -239,11 +242,11 @@ async def test_every_argument_type_round_trips(redis_url: str) -> None:
         await conn.call((b"DEL", *[f"rt:{i}" for i in range(len(values))], "rt:a"))
 
 
-async def test_write_flow_control(redis_url: str) -> None:
+async def test_write_flow_control(server_url: str) -> None:
     """With a tiny write buffer the transport pauses the protocol; calls wait for the
     drain and every reply still arrives in order."""
     big = memoryview(os.urandom(8 * 2**20))
-    async with lean(redis_url) as conn:
+    async with lean(server_url) as conn:
         assert conn._transport is not None
         conn._transport.set_write_buffer_limits(high=4096, low=1024)
         paused = []
@@ -279,8 +282,8 @@ async def _true(value: bool) -> bool:
 # -- pipelining, cancellation, errors ---------------------------------------------------
 
 
-async def test_many_concurrent_calls_pipeline_on_one_connection(redis_url: str) -> None:
-    async with lean(redis_url) as conn:
+async def test_many_concurrent_calls_pipeline_on_one_connection(server_url: str) -> None:
+    async with lean(server_url) as conn:
         n = 3000
         replies = await asyncio.gather(*(conn.call((b"ECHO", b"m%d" % i)) for i in range(n)))
         assert replies == [b"m%d" % i for i in range(n)]
@@ -292,8 +295,8 @@ async def test_many_concurrent_calls_pipeline_on_one_connection(redis_url: str) 
         assert await conn.call_many([]) == []
 
 
-async def test_cancelled_calls_keep_the_stream_in_step(redis_url: str) -> None:
-    async with lean(redis_url) as conn, lean(redis_url) as other:
+async def test_cancelled_calls_keep_the_stream_in_step(server_url: str) -> None:
+    async with lean(server_url) as conn, lean(server_url) as other:
         key = "cancel:list"
         await conn.call((b"DEL", key))
         blocked = asyncio.ensure_future(_await(conn.call((b"BLPOP", key, 0))))
@@ -327,8 +330,8 @@ async def _blocked_clients(conn: resp.Connection, n: int) -> bool:
     return b"blocked_clients:%d\r\n" % n in info
 
 
-async def test_error_replies(redis_url: str) -> None:
-    async with lean(redis_url) as conn:
+async def test_error_replies(server_url: str) -> None:
+    async with lean(server_url) as conn:
         with pytest.raises(resp.ReplyError) as err:
             await conn.call((b"NOSUCHCOMMAND", b"x"))
         assert err.value.code == "ERR"
@@ -345,7 +348,7 @@ async def test_error_replies(redis_url: str) -> None:
         assert await conn.call((b"DEL", "err:s")) == 1  # still in step
     assert isinstance(transport.translate(resp.ReplyError("ERR boom")), InternalError)
     # the same qps error text as through redis-py
-    client = await transport.connect(redis_url)
+    client = await transport.connect(server_url)
     try:
         for command in ((b"EVAL", "error('boom')", 0), (b"NOSUCHCOMMAND",)):
             with pytest.raises(Exception) as via_redis_py:
@@ -365,8 +368,8 @@ async def test_error_replies(redis_url: str) -> None:
         assert isinstance(transport.translate(resp.ReplyError(text)), UnavailableError)
 
 
-async def test_connection_loss_fails_pending_calls(redis_url: str) -> None:
-    async with lean(redis_url) as conn, lean(redis_url) as other:
+async def test_connection_loss_fails_pending_calls(server_url: str) -> None:
+    async with lean(server_url) as conn, lean(server_url) as other:
         cid = await conn.call((b"CLIENT", b"ID"))
         blocked = asyncio.ensure_future(_await(conn.call((b"BLPOP", "loss:k", 0))))
         behind = asyncio.ensure_future(_await(conn.call((b"ECHO", b"x"))))
@@ -499,8 +502,8 @@ async def test_tls(tls_server: tuple[_Server, str]) -> None:
 # -- transport.Client on lean connections -------------------------------------------------
 
 
-async def test_run_script_reloads_after_noscript(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_run_script_reloads_after_noscript(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="noscript", client=client)
         await q.enqueue(np.int64(1))
         lean_conn = client._lean
@@ -521,7 +524,7 @@ async def test_run_script_reloads_after_noscript(redis_url: str) -> None:
         await client.commands.script_flush()
         task = asyncio.create_task(q.dequeue(timeout=30))
         await until(lambda: _pending_dequeues(q, 1))
-        async with await transport.connect(redis_url) as other:
+        async with await transport.connect(server_url) as other:
             q2 = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="noscript", client=other)
             await q2.enqueue(np.int64(3))
         assert int(await task) == 3
@@ -534,8 +537,8 @@ async def _pending_dequeues(q: qps.QueueBase, n: int) -> bool:
     return (await q.stats()).pending_dequeues == n
 
 
-async def test_lost_script_connection_fails_calls_then_recovers(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_lost_script_connection_fails_calls_then_recovers(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="lossq", client=client)
         await q.enqueue(np.int64(1))
         conn = client._lean
@@ -545,7 +548,7 @@ async def test_lost_script_connection_fails_calls_then_recovers(redis_url: str) 
         blocker = asyncio.ensure_future(_await(conn.call((b"BLPOP", "lossq:never", 0))))
         call = asyncio.create_task(q.size())  # not a script: redis-py, unaffected
         pending = asyncio.create_task(q.dequeue_nowait())
-        async with lean(redis_url) as other:
+        async with lean(server_url) as other:
             await until(lambda: _blocked_clients(other, 1))
             await until(lambda: _true(conn.pending == 2))
             assert await other.call((b"CLIENT", b"KILL", b"ID", cid)) == 1
@@ -561,14 +564,14 @@ async def test_lost_script_connection_fails_calls_then_recovers(redis_url: str) 
         await qps.queues.delete_queue(client, "lossq")
 
 
-async def test_lost_waiter_connection_is_not_reused(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_lost_waiter_connection_is_not_reused(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="waitloss", client=client)
         task = asyncio.create_task(q.dequeue(timeout=30))
         await until(lambda: _true(len(client._busy) == 1))
         (waiter,) = client._busy
         cid = await client.commands.client_id()  # any id but the waiter's
-        async with lean(redis_url) as other:
+        async with lean(server_url) as other:
             await until(lambda: _blocked_clients(other, 1))
             clients = await other.call((b"CLIENT", b"LIST"))
             ids = [
@@ -591,8 +594,8 @@ async def test_lost_waiter_connection_is_not_reused(redis_url: str) -> None:
         await qps.queues.delete_queue(client, "waitloss")
 
 
-async def test_cancelled_waiter_connection_is_discarded(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_cancelled_waiter_connection_is_discarded(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="waitcancel", client=client)
         with pytest.raises(DeadlineExceededError):
             await q.dequeue(timeout=0.01)
@@ -612,8 +615,8 @@ async def test_cancelled_waiter_connection_is_discarded(redis_url: str) -> None:
         await qps.queues.delete_queue(client, "waitcancel")
 
 
-async def test_many_concurrent_waiters_get_their_own_connections(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_many_concurrent_waiters_get_their_own_connections(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(100, np.int64, shapes=[[]], shared_name="manyw", client=client)
         n = 12
         tasks = [asyncio.create_task(q.dequeue(timeout=30)) for _ in range(n)]
@@ -625,8 +628,8 @@ async def test_many_concurrent_waiters_get_their_own_connections(redis_url: str)
         await qps.queues.delete_queue(client, "manyw")
 
 
-async def test_close_closes_lean_connections_and_wakes_waiters(redis_url: str) -> None:
-    client = await transport.connect(redis_url)
+async def test_close_closes_lean_connections_and_wakes_waiters(server_url: str) -> None:
+    client = await transport.connect(server_url)
     q = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="closew", client=client)
     task = asyncio.create_task(q.dequeue())
     await until(lambda: _true(len(client._busy) == 1))
@@ -642,7 +645,7 @@ async def test_close_closes_lean_connections_and_wakes_waiters(redis_url: str) -
     assert await q.size() == 0
     await client.commands.aclose()
     await client.blocking.aclose()
-    async with await transport.connect(redis_url) as c2:
+    async with await transport.connect(server_url) as c2:
         await qps.queues.delete_queue(c2, "closew")
 
 

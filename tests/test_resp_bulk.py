@@ -159,8 +159,8 @@ async def test_bad_calls(scripted: Any) -> None:
 # -- against a real server, through the client ------------------------------------------
 
 
-async def test_client_read_into_real_server(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_client_read_into_real_server(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         values = {f"bulk:{i}": os.urandom(n) for i, n in enumerate([0, 10, 1 << 20, 3_000_001])}
         await client.commands.mset(values)
         await client.commands.lpush("bulk:list", b"x")
@@ -190,8 +190,8 @@ async def test_fakeredis_client_has_no_bulk_path() -> None:
     assert await client.read_into(["k"], [memoryview(bytearray(1))]) is None
 
 
-async def test_large_elements_travel_through_bulk_reads(redis_url: str) -> None:
-    async with await transport.connect(redis_url) as client:
+async def test_large_elements_travel_through_bulk_reads(server_url: str) -> None:
+    async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(4, np.float32, shapes=[[CHUNK_BYTES // 4 * 3 + 5]],
                           shared_name="bulkq", client=client)  # fmt: skip
         rows = np.random.default_rng(1).standard_normal((3, CHUNK_BYTES // 4 * 3 + 5))

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import pytest
 import qps
 from qps.embedded import find_server_binary
 from qps.errors import UnavailableError
+from tests.conftest import on_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,13 +234,21 @@ async def test_an_acl_user_of_one_container_cannot_touch_another(redis_url: str)
     PermissionDeniedError, and that container is unchanged."""
     import redis.asyncio as aioredis
 
-    admin = aioredis.Redis.from_url(redis_url)
+    admin: Any = (  # a cluster's ACL users are per node: set on every node
+        aioredis.RedisCluster.from_url(redis_url)
+        if on_cluster(redis_url)
+        else aioredis.Redis.from_url(redis_url)
+    )
+    every: dict[str, Any] = {"target_nodes": None} if on_cluster(redis_url) else {}
     user = f"job{secrets.token_hex(3)}"
     mine, theirs = f"{user}-a", f"{user}-b"
+    if every:
+        await admin.initialize()
+        every["target_nodes"] = admin.get_nodes()
     await admin.execute_command(
         "ACL", "SETUSER", user, "on", ">s3cret", "resetkeys",
         f"~qps:{{{mine}}}:*", f"~qps:{{{mine}/*", "%W~qps:containers",
-        "+@all", "-@admin", "-@dangerous",
+        "+@all", "-@admin", "-@dangerous", **every,
     )  # fmt: skip
     try:
         async with await qps.connect(redis_url) as owner:  # the other job, full rights
@@ -270,5 +280,5 @@ async def test_an_acl_user_of_one_container_cannot_touch_another(redis_url: str)
             q_b = qps.FIFOQueue(5, np.int64, shared_name="q", container=theirs, client=owner)
             assert await q_b.size() == 1 and int(await q_b.dequeue()) == 7
     finally:
-        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.execute_command("ACL", "DELUSER", user, **every)
         await admin.aclose()

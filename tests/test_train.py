@@ -4,6 +4,7 @@ worker; and no process left behind in any case (checked in /proc)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -11,25 +12,40 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import JOB_SERVERS
 
 REPO = str(Path(__file__).resolve().parents[1])
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _train(*args: str) -> subprocess.Popen[str]:
+def _train(*args: str, url: str | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("QPS_REDIS_URL", None)
+    where = ["--url", url] if url else []
     return subprocess.Popen(
-        [sys.executable, "-m", "qps.cli.main", "train", *args],
+        [sys.executable, "-m", "qps.cli.main", "train", *where, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+Train = Callable[..., "subprocess.Popen[str]"]
+
+
+@pytest.fixture(params=JOB_SERVERS)
+def train(request: pytest.FixtureRequest) -> Train:
+    """``qps train`` with its own server (the README's way), and with the cluster
+    backend also against the test cluster (``--url``; each test its own container)."""
+    url = request.getfixturevalue("cluster_url") if request.param == "cluster" else None
+    return functools.partial(_train, url=url)
 
 
 def _processes_of(container: str) -> list[str]:
@@ -68,12 +84,12 @@ def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 12
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_digits_trains_and_every_role_exits(mode: str) -> None:
+def test_digits_trains_and_every_role_exits(train: Train, mode: str) -> None:
     c = _container()
     args = ["--ps", "2", "--workers", "2", "--steps", "300", "--json", "--container", c]
     if mode == "ssp":
         args += ["--mode", "ssp", "--max-staleness", "1"]
-    proc = _train(*args)
+    proc = train(*args)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out)
@@ -86,9 +102,9 @@ def test_digits_trains_and_every_role_exits(mode: str) -> None:
     assert _processes_of(c) == []
 
 
-def test_ctrl_c_stops_every_role() -> None:
+def test_ctrl_c_stops_every_role(train: Train) -> None:
     c = _container()
-    proc = _train("--ps", "1", "--workers", "2", "--steps", "1000000", "--container", c,
+    proc = train("--ps", "1", "--workers", "2", "--steps", "1000000", "--container", c,
                   "--log-every", "20")  # fmt: skip
     _wait_for_line(proc, "[worker1]")
     _wait_for_line(proc, "step 20,")  # training is under way
@@ -99,9 +115,9 @@ def test_ctrl_c_stops_every_role() -> None:
     assert _processes_of(c) == []
 
 
-def test_a_killed_worker_does_not_stop_async_training() -> None:
+def test_a_killed_worker_does_not_stop_async_training(train: Train) -> None:
     c = _container()
-    proc = _train("--ps", "1", "--workers", "3", "--steps", "400", "--json", "--container", c,
+    proc = train("--ps", "1", "--workers", "3", "--steps", "400", "--json", "--container", c,
                   "--log-every", "20", "--restarts", "0")  # fmt: skip
     _wait_for_line(proc, "worker2: step 20,")
     victims = [p for p in _processes_of(c) if "--index 2 " in p]
@@ -126,7 +142,7 @@ def _kill(container: str, role: str, sig: int = signal.SIGKILL) -> int:
     return pid
 
 
-def test_killed_roles_are_started_again_and_the_digits_job_completes() -> None:
+def test_killed_roles_are_started_again_and_the_digits_job_completes(train: Train) -> None:
     """The digits job under faults: a shard SIGKILLed, a worker SIGKILLed, a worker
     SIGSTOPped for a while. The shard and the worker are started again (--restarts): the
     shard takes its lease over at once, the worker goes on after its last published step.
@@ -134,7 +150,7 @@ def test_killed_roles_are_started_again_and_the_digits_job_completes() -> None:
     applies: both workers' 1,500 steps, plus the steps the killed worker had done but not
     published yet, which it does again), accuracy as without faults, nothing left."""
     c = _container()
-    proc = _train("--ps", "2", "--workers", "2", "--steps", "1500", "--json", "--container", c,
+    proc = train("--ps", "2", "--workers", "2", "--steps", "1500", "--json", "--container", c,
                   "--log-every", "20")  # fmt: skip
     _wait_for_line(proc, "worker1: step 100,")
     stopped = _kill(c, "--index 0 ", signal.SIGSTOP)
@@ -155,11 +171,11 @@ def test_killed_roles_are_started_again_and_the_digits_job_completes() -> None:
     assert _processes_of(c) == []
 
 
-def test_the_ctr_example_learns_with_sparse_rows() -> None:
+def test_the_ctr_example_learns_with_sparse_rows(train: Train) -> None:
     """The embedding-bag model pulls and pushes table rows (sparse gradients) and is
     scored by its test AUC on the synthetic click data."""
     c = _container()
-    proc = _train("--example", "ctr", "--ps", "2", "--workers", "2", "--steps", "200",
+    proc = train("--example", "ctr", "--ps", "2", "--workers", "2", "--steps", "200",
                   "--json", "-q", "--container", c)  # fmt: skip
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -169,9 +185,11 @@ def test_the_ctr_example_learns_with_sparse_rows() -> None:
     assert _processes_of(c) == []
 
 
-def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(tmp_path: Path) -> None:
+def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(
+    train: Train, tmp_path: Path
+) -> None:
     ckpt = str(tmp_path / "ckpt")
-    first = _train("--ps", "1", "--workers", "2", "--steps", "200", "--json", "-q",
+    first = train("--ps", "1", "--workers", "2", "--steps", "200", "--json", "-q",
                    "--container", _container(), "--checkpoint-dir", ckpt,
                    "--checkpoint-every", "100", "--log-every", "50")  # fmt: skip
     out, err = first.communicate(timeout=300)
@@ -180,7 +198,7 @@ def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(tmp_path:
     saved = sorted(p.name for p in Path(ckpt).iterdir())
     assert saved and all(name.startswith("model-") for name in saved), saved
     c = _container()
-    second = _train("--ps", "1", "--workers", "2", "--steps", "50", "--json", "-q",
+    second = train("--ps", "1", "--workers", "2", "--steps", "50", "--json", "-q",
                     "--container", c, "--checkpoint-dir", ckpt)  # fmt: skip
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-3000:]
@@ -192,12 +210,12 @@ def test_checkpoints_are_written_and_a_new_job_resumes_from_the_newest(tmp_path:
     assert _processes_of(c) == []
 
 
-def test_sync_mode_applies_one_averaged_update_per_step() -> None:
+def test_sync_mode_applies_one_averaged_update_per_step(train: Train) -> None:
     """SyncReplicasOptimizer semantics: every update is the mean of one gradient per
     worker, so the global step counts updates (not pushes) and ends at exactly
     --steps; the accuracy matches async training's."""
     c = _container()
-    proc = _train("--mode", "sync", "--ps", "2", "--workers", "2", "--steps", "300",
+    proc = train("--mode", "sync", "--ps", "2", "--workers", "2", "--steps", "300",
                   "--json", "-q", "--container", c)  # fmt: skip
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -207,9 +225,9 @@ def test_sync_mode_applies_one_averaged_update_per_step() -> None:
     assert _processes_of(c) == []
 
 
-def test_sync_mode_with_a_backup_worker_survives_a_killed_worker() -> None:
+def test_sync_mode_with_a_backup_worker_survives_a_killed_worker(train: Train) -> None:
     c = _container()
-    proc = _train("--mode", "sync", "--backup-workers", "1", "--ps", "1", "--workers", "3",
+    proc = train("--mode", "sync", "--backup-workers", "1", "--ps", "1", "--workers", "3",
                   "--steps", "300", "--json", "--container", c, "--log-every", "20",
                   "--restarts", "0")  # fmt: skip
     _wait_for_line(proc, "worker2: step 20,")

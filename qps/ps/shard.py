@@ -1009,10 +1009,10 @@ class Shard:
         updates: int | None = None,
         gs_ids: Sequence[str] = (),
     ) -> list[tuple[str, BaseException]]:
-        """Commit the variables of ``pending`` and advance the global step by ``gs_ids``
+        """Commit the variables of ``pending``, then advance the global step by ``gs_ids``
         (each commit is atomic on its own, and records the ids with its state, so each
-        is exactly-once on its own: they run concurrently); those committed leave
-        ``touched``. Returns the variables' failures; the global step's raises.
+        is exactly-once on its own: the variables' run concurrently); those committed
+        leave ``touched``. Returns the variables' failures; the global step's raises.
 
         On a single server, small dense commits go all at once: every variable's writes
         and commit script, and the global step's script, in one round trip."""
@@ -1024,14 +1024,12 @@ class Shard:
         else:  # what remains: commits whose script was not loaded
             results, gs_ids = batch
             rest = [k for k, r in enumerate(results) if isinstance(r, _Fallback)]
-        step = self._advance_global_step(list(gs_ids)) if gs_ids else _nothing()
-        got, _ = await asyncio.gather(
-            asyncio.gather(
-                *(self._commit(self.owned[names[k]], pending[names[k]], updates) for k in rest),
-                return_exceptions=True,
-            ),
-            step,
+        got = await asyncio.gather(
+            *(self._commit(self.owned[names[k]], pending[names[k]], updates) for k in rest),
+            return_exceptions=True,
         )
+        if gs_ids:  # after the commits: a snapshot never counts a push ahead of them
+            await self._advance_global_step(list(gs_ids))
         for k, r in zip(rest, got):
             results[k] = r
         failed = []
@@ -1063,9 +1061,10 @@ class Shard:
     ) -> tuple[list[BaseException | None], Sequence[str]] | None:
         """The commits of :meth:`_commit_all` in one round trip, if they are all small
         dense ones on a single server; None otherwise. Returns each variable's outcome
-        (None: committed; :class:`_Fallback`: its script was not loaded and did not
-        run, commit it again the usual way) and the global-step ids still to count
-        (``gs_ids`` unless its script ran here)."""
+        (None: committed; :class:`_Fallback`: its script was not loaded, or a
+        checkpoint held the variable, and it did not run: commit it again the usual
+        way) and the global-step ids still to count (``gs_ids`` unless its script ran
+        here)."""
         if self.client.cluster or not names:
             return None
         plans = []
@@ -1110,6 +1109,9 @@ class Shard:
                 continue
             try:
                 check(reply)
+            except variables.CheckpointHold:  # it wrote nothing: the usual way waits
+                results.append(_Fallback())
+                continue
             except QpsError as exc:
                 results.append(exc)
                 continue
@@ -1402,10 +1404,6 @@ def _raw(delivery: Delivery | None) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype == np.uint8:
         return value.tobytes()
     return b""
-
-
-async def _nothing() -> None:
-    return None
 
 
 #: At most this many bytes of variables and slots are committed in one round trip
