@@ -81,6 +81,10 @@ T = TypeVar("T")
 log = logging.getLogger("qps.transport")
 
 URL_ENV = "QPS_REDIS_URL"
+#: ``yes``/``no`` (1/0, true/false): whether URLs name a Redis Cluster node, when neither
+#: the URL (``?cluster=``) nor the caller says; unset: detected. ``qps ... --cluster``
+#: sets it for the command and the roles it starts.
+CLUSTER_ENV = "QPS_CLUSTER"
 
 #: Longest server-side block of one wait, in seconds; waits loop on it.
 BLOCK_SECONDS = 1.0
@@ -778,14 +782,15 @@ async def connect(url: str | None = None, *, cluster: bool | None = None) -> Cli
     already started one; see :mod:`qps.embedded`).
 
     A Redis Cluster is detected (``INFO cluster`` says ``cluster_enabled:1``) when the
-    URL names any of its nodes; ``cluster=True`` (or ``?cluster=yes`` in the URL) asks
-    for one explicitly and ``cluster=False`` (``?cluster=no``) skips the detection. See
-    :func:`connect_cluster`.
+    URL names any of its nodes; ``cluster=True`` (or ``?cluster=yes`` in the URL, or
+    ``$QPS_CLUSTER=yes``) asks for one explicitly and ``cluster=False`` (``?cluster=no``,
+    ``$QPS_CLUSTER=no``) skips the detection; the argument wins over the URL, the URL
+    over the environment. See :func:`connect_cluster`.
 
     Raises:
         UnavailableError: the server cannot be reached, or none can be started.
-        InvalidArgumentError: a bad ``cluster=`` URL parameter, or a cluster reached
-            through a unix socket or with a database other than 0.
+        InvalidArgumentError: a bad ``cluster=`` URL parameter or ``$QPS_CLUSTER``, or a
+            cluster reached through a unix socket or with a database other than 0.
     """
     owned = None
     url = url or os.environ.get(URL_ENV) or None
@@ -796,7 +801,7 @@ async def connect(url: str | None = None, *, cluster: bool | None = None) -> Cli
     assert url is not None
     url, asked = split_cluster_param(url)
     if cluster is None:
-        cluster = asked
+        cluster = asked if asked is not None else cluster_from_env()
     if cluster:
         return await connect_cluster(url)
     commands, blocking = _pools(url)
@@ -832,6 +837,22 @@ async def connect(url: str | None = None, *, cluster: bool | None = None) -> Cli
 
 _TRUE = frozenset({"1", "yes", "true", "on"})
 _FALSE = frozenset({"0", "no", "false", "off"})
+
+
+def cluster_from_env() -> bool | None:
+    """``$QPS_CLUSTER`` as True, False, or None when unset or empty.
+
+    Raises:
+        InvalidArgumentError: a value other than yes/no/true/false/on/off/1/0.
+    """
+    value = os.environ.get(CLUSTER_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in _TRUE and value not in _FALSE:
+        raise InvalidArgumentError(
+            f"{CLUSTER_ENV} must be yes or no (1/0, true/false), not {value!r}"
+        )
+    return value in _TRUE
 
 
 def split_cluster_param(url: str) -> tuple[str, bool | None]:

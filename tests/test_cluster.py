@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from click.testing import CliRunner
 
 import qps
 from qps import checkpoint, keys, transport
+from qps.cli.main import cli
 from qps.containers import reset
 from qps.errors import InvalidArgumentError, UnavailableError
 from tests.conftest import BACKENDS
@@ -56,6 +60,43 @@ async def test_a_cluster_needs_a_tcp_url(server_url: str) -> None:
         pytest.skip("the real backend is not on a unix socket")
     with pytest.raises(InvalidArgumentError, match="redis://"):
         await qps.connect(server_url + "?cluster=yes")
+
+
+async def test_qps_cluster_in_the_environment_asks_for_a_cluster(
+    server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QPS_CLUSTER", "maybe")
+    with pytest.raises(InvalidArgumentError, match="QPS_CLUSTER"):
+        await qps.connect(server_url)
+    monkeypatch.setenv("QPS_CLUSTER", "yes")
+    if server_url.startswith("unix:"):  # asked for a cluster, and a socket cannot be one
+        with pytest.raises(InvalidArgumentError, match="redis://"):
+            await qps.connect(server_url)
+    async with await qps.connect(server_url + "?cluster=no") as plain:  # the URL wins
+        assert not plain.cluster
+
+
+def test_the_cluster_flag_holds_for_the_command_only(server_url: str) -> None:
+    if not server_url.startswith("unix:"):
+        pytest.skip("the real backend is not on a unix socket")
+    r = CliRunner().invoke(cli, ["queue", "ls", "--cluster", "--url", server_url])
+    assert r.exit_code == 1 and "Redis Cluster needs a redis://" in r.output, r.output
+    assert "QPS_CLUSTER" not in os.environ  # restored when the command ended
+    r = CliRunner().invoke(cli, ["queue", "ls", "--url", server_url])
+    assert r.exit_code == 0, r.output
+
+
+@needs_cluster
+def test_the_cluster_flag_reaches_a_cluster(cluster_url: str) -> None:
+    async def make() -> None:
+        async with await qps.connect(cluster_url) as client:
+            await client.commands.flushall()
+            await qps.FIFOQueue(4, np.int64, shared_name="flagged", client=client).enqueue(3)
+
+    asyncio.run(make())
+    r = CliRunner().invoke(cli, ["queue", "ls", "--cluster", "--url", cluster_url, "--json"])
+    assert r.exit_code == 0, r.output
+    assert [(q["name"], q["size"]) for q in json.loads(r.stdout)] == [("flagged", 1)]
 
 
 def _node(url: str) -> redis.Redis:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 import click
 
-from qps import keys
+from qps import keys, transport
 from qps.errors import DeadlineExceededError, NotFoundError, QpsError, UnavailableError
 from qps.transport import Client, connect, redact_url
 
@@ -233,16 +234,46 @@ URL_HELP = (
 )
 
 
+def _ask_cluster(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--cluster``: ``$QPS_CLUSTER=yes`` while the command runs, for its connections
+    and for the roles it starts (they inherit the environment)."""
+    if not value:
+        return
+    before = os.environ.get(transport.CLUSTER_ENV)
+    os.environ[transport.CLUSTER_ENV] = "yes"
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(transport.CLUSTER_ENV, None)
+        else:
+            os.environ[transport.CLUSTER_ENV] = before
+
+    ctx.call_on_close(restore)
+
+
 def url_option(help: str = URL_HELP) -> Callable[[F], F]:
-    """``--url`` (env ``QPS_REDIS_URL``), with ``help`` as its help text."""
-    return click.option(
-        "--url",
-        envvar="QPS_REDIS_URL",
-        show_envvar=True,
-        default=None,
-        metavar="URL",
-        help=help,
-    )
+    """``--url`` (env ``QPS_REDIS_URL``), with ``help`` as its help text, and
+    ``--cluster``."""
+
+    def decorate(f: F) -> F:
+        f = click.option(
+            "--cluster",
+            is_flag=True,
+            expose_value=False,
+            callback=_ask_cluster,
+            help="The URL names a Redis Cluster node: use the cluster (as ?cluster=yes "
+            "in the URL or QPS_CLUSTER=yes; default: detected).",
+        )(f)
+        return click.option(
+            "--url",
+            envvar="QPS_REDIS_URL",
+            show_envvar=True,
+            default=None,
+            metavar="URL",
+            help=help,
+        )(f)
+
+    return decorate
 
 
 def container_option(f: F) -> F:
