@@ -929,6 +929,10 @@ class Variable:
         of applied updates): the value, the slots, ``t`` and the applied ids become
         current in the same script, atomically.
 
+        While a checkpoint on Redis Cluster holds the variable (:mod:`qps.checkpoint`),
+        the script refuses and writes nothing; the publish waits for the release (as do
+        :meth:`publish_rows` and :meth:`init_slots`) and writes again.
+
         Raises:
             InvalidArgumentError: a value (or slot) of another shape, or of a dtype that
                 does not convert without a change of kind; a version/token outside
