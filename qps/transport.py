@@ -393,6 +393,36 @@ class Client:
         replies, _ = await self.run_commands_then_script(commands, None, (), ())
         return replies
 
+    async def run_transaction(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Run plain ``commands`` in one ``MULTI``/``EXEC`` (atomically, one round trip;
+        a single server: a cluster refuses keys of several slots); return their replies.
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+            InternalError: a command failed.
+        """
+        conn = await self._lean_now()
+        if conn is None:
+            with map_errors():
+                pipe = self.commands.pipeline(transaction=True)
+                for c in commands:
+                    pipe.execute_command(*c)
+                return list(await pipe.execute())
+        try:
+            replies = await conn.call_many([(b"MULTI",), *commands, (b"EXEC",)])
+        except TypeError as exc:
+            raise InternalError(f"unexpected Redis error: {exc}") from exc
+        for r in replies:
+            if isinstance(r, resp.ReplyError):
+                raise translate(r) from r
+        done = replies[-1]
+        if not isinstance(done, list):  # EXEC answered nil: cannot happen without WATCH
+            raise InternalError(f"unexpected reply to EXEC: {done!r}")
+        for r in done:
+            if isinstance(r, resp.ReplyError):
+                raise translate(r) from r
+        return done
+
     async def run_commands_replies(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Run ``commands`` (scripts by ``EVALSHA`` among them) in one round trip, in
         order, on one connection; return their replies, a failed command's error in its

@@ -182,8 +182,11 @@ async def test_concurrent_creators_agree(make_client: Any) -> None:
     reads = await asyncio.gather(*(v.read() for v in vs))
     for r in reads[1:]:
         np.testing.assert_array_equal(r.value, reads[0].value)
-    # the losers' initial values were removed: one generation of one segment
-    assert len(await var_keys(clients[0], "default")) == 2  # meta + d:<gen>:0
+    # the losers' initial values were removed: one generation of one segment (and the
+    # copy of the current value a small variable keeps for plain reads)
+    found = sorted(k.rsplit(b"}:", 1)[1] for k in await var_keys(clients[0], "default"))
+    assert len(found) == 3 and found[0] == b"cur" and found[1].startswith(b"d:")
+    assert found[2] == b"meta"
 
 
 async def test_bad_arguments() -> None:
@@ -516,7 +519,7 @@ async def test_session_variable_and_container_stats(client: qps.Client) -> None:
         assert await s.list_variables() == ["emb/part_0", "emb/part_1", "w"]
         stats = await container_stats(client, "job", memory=False)
     assert stats.resources["variables"] == ["emb/part_0", "emb/part_1", "w"]
-    assert stats.keys_by_kind["variables"] == 6  # 3 x (meta + one segment)
+    assert stats.keys_by_kind["variables"] == 9  # 3 x (meta + one segment + its copy, cur)
 
 
 async def test_reset_removes_every_variable_key(client: qps.Client, small_segments: None) -> None:
@@ -551,7 +554,7 @@ async def test_writer_of_a_recreated_variable_is_refused(make_client: Any) -> No
         await old.publish(np.zeros(4), 1, 0)
     with pytest.raises(FailedPreconditionError, match="created again"):
         await old.publish_rows([0], [1], 1, 0)
-    assert len(await var_keys(c2, "default")) == 2  # nothing left behind
+    assert len(await var_keys(c2, "default")) == 3  # meta, d:<gen>:0, cur: nothing more
 
 
 async def test_corrupt_meta_is_reported(client: qps.Client) -> None:
@@ -671,3 +674,37 @@ async def test_read_many_pipelines_small_variables_and_survives_a_script_flush(c
     await client.commands.script_flush()  # the pipelined EVALSHAs get NOSCRIPT
     again = await read_many(vs)
     assert [g.value.tolist() for g in again] == [[1, 1, 1], [1, 2, 3], [1, 1, 1]]
+
+
+async def test_small_reads_come_from_the_copy_every_write_keeps_current(
+    client: qps.Client,
+) -> None:
+    """A small variable's create, publish and publish_rows keep ``<V>cur`` at the meta's
+    ``curver``: a read gets it in one MULTI/EXEC with no bytes through Lua, equal to the
+    read script's answer. A copy that is not at the variable's version (a write by an
+    older qps) is not used: the read falls back to the script."""
+    v = Variable("c", (6, 2), np.float32, initializer="ones", client=client)
+    await v.create()
+    script = V._scripts_of(client).read
+
+    async def by_script() -> tuple[list[Any], int]:
+        reply = await script(keys=[v._meta])
+        return v._array(reply[3]).tolist(), int(reply[1])
+
+    steps = [
+        v.publish(np.arange(12, dtype=np.float32).reshape(6, 2), 1, 0),
+        v.publish_rows([4, 1], np.full((2, 2), -1, np.float32), 2, 0),
+    ]
+    for write in [None, *steps]:
+        if write is not None:
+            await write
+        (got,) = await V._read_current([v])
+        assert got is not None and (got.value.tolist(), got.version) == await by_script()
+    await client.commands.hset(v._meta, "curver", "1")  # as if an older writer went on
+    assert await V._read_current([v]) == [None]
+    got = await v.read()
+    assert (got.value.tolist(), got.version) == await by_script()
+    assert got.version == 2 and got.value[4].tolist() == [-1, -1]
+    big = Variable("big", ((varspec.CHUNK_BYTES // 4) + 1,), np.float32, client=client)
+    await big.create()  # over the copy's limit: no copy kept
+    assert not await client.commands.exists(big._prefix + "cur")
