@@ -408,10 +408,7 @@ class Client:
                 for c in commands:
                     pipe.execute_command(*c)
                 return list(await pipe.execute())
-        try:
-            replies = await conn.call_many([(b"MULTI",), *commands, (b"EXEC",)])
-        except TypeError as exc:
-            raise InternalError(f"unexpected Redis error: {exc}") from exc
+        replies = await _call_many(conn, [(b"MULTI",), *commands, (b"EXEC",)])
         for r in replies:
             if isinstance(r, resp.ReplyError):
                 raise translate(r) from r
@@ -434,11 +431,7 @@ class Client:
         """
         conn = await self._lean_now()
         if conn is not None:
-            try:
-                replies = await conn.call_many(commands)
-            except TypeError as exc:
-                raise InternalError(f"unexpected Redis error: {exc}") from exc
-            return [_error_in_place(r) for r in replies]
+            return [_error_in_place(r) for r in await _call_many(conn, commands)]
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
             for c in commands:
@@ -464,12 +457,9 @@ class Client:
         command = None if script is None else (b"EVALSHA", script.sha, len(keys), *keys, *args)
         conn = await self._lean_now()
         if conn is not None:
-            try:
-                replies = await conn.call_many(
-                    [*commands] if command is None else [*commands, command]
-                )
-            except TypeError as exc:
-                raise InternalError(f"unexpected Redis error: {exc}") from exc
+            replies = await _call_many(
+                conn, [*commands] if command is None else [*commands, command]
+            )
             reply = None
             if command is not None:
                 reply = replies.pop()
@@ -557,10 +547,7 @@ class Client:
         command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
         conn = await self._lean_now()
         if conn is not None:
-            try:
-                reply, *replies = await conn.call_many([command, *after])
-            except TypeError as exc:
-                raise InternalError(f"unexpected Redis error: {exc}") from exc
+            reply, *replies = await _call_many(conn, [command, *after])
             if isinstance(reply, resp.ReplyError):
                 if reply.code != "NOSCRIPT":
                     raise translate(reply) from reply
@@ -638,10 +625,8 @@ class Client:
         self._busy.add(conn)
         reusable = False
         try:
-            replies = await conn.call_many(commands)
+            replies = await _call_many(conn, commands)
             reusable = True
-        except TypeError as exc:
-            raise InternalError(f"unexpected Redis error: {exc}") from exc
         finally:
             self._busy.discard(conn)
             if reusable and self._endpoint is not None and not conn.closed:
@@ -869,20 +854,26 @@ _TRUE = frozenset({"1", "yes", "true", "on"})
 _FALSE = frozenset({"0", "no", "false", "off"})
 
 
+def _yes_no(value: str, what: str) -> bool:
+    """``value`` (yes/no/true/false/on/off/1/0, any case) as a bool.
+
+    Raises:
+        InvalidArgumentError: another value; ``what`` names where it came from.
+    """
+    v = value.lower()
+    if v not in _TRUE and v not in _FALSE:
+        raise InvalidArgumentError(f"{what} must be yes or no (1/0, true/false), not {value!r}")
+    return v in _TRUE
+
+
 def cluster_from_env() -> bool | None:
     """``$QPS_CLUSTER`` as True, False, or None when unset or empty.
 
     Raises:
         InvalidArgumentError: a value other than yes/no/true/false/on/off/1/0.
     """
-    value = os.environ.get(CLUSTER_ENV, "").strip().lower()
-    if not value:
-        return None
-    if value not in _TRUE and value not in _FALSE:
-        raise InvalidArgumentError(
-            f"{CLUSTER_ENV} must be yes or no (1/0, true/false), not {value!r}"
-        )
-    return value in _TRUE
+    value = os.environ.get(CLUSTER_ENV, "").strip()
+    return _yes_no(value, CLUSTER_ENV) if value else None
 
 
 def split_cluster_param(url: str) -> tuple[str, bool | None]:
@@ -906,12 +897,7 @@ def split_cluster_param(url: str) -> tuple[str, bool | None]:
         if name.lower() != "cluster":
             kept.append(part)
             continue
-        v = value.lower()
-        if v not in _TRUE and v not in _FALSE:
-            raise InvalidArgumentError(
-                f"cluster= in the Redis URL must be yes or no (1/0, true/false), not {value!r}"
-            )
-        found = v in _TRUE
+        found = _yes_no(value, "cluster= in the Redis URL")
     rest = "&".join(p for p in kept if p)
     return (base + ("?" + rest if rest else "") + fragment), found
 
@@ -929,6 +915,15 @@ async def pipeline_script(
         pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
     else:
         await script(keys=keys, args=args, client=pipe)
+
+
+async def _call_many(conn: resp.Connection, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """``conn.call_many(commands)``; an argument it cannot send (a TypeError, redis-py's
+    DataError) is an :class:`InternalError`, as on redis-py's path."""
+    try:
+        return await conn.call_many(commands)
+    except TypeError as exc:
+        raise InternalError(f"unexpected Redis error: {exc}") from exc
 
 
 def _error_in_place(reply: Any) -> Any:

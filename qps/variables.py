@@ -991,15 +991,15 @@ class Variable:
                 ``slots`` are not the stored slots.
             NotFoundError: the variable was deleted (its container reset).
         """
+        p = self._publication(value, version, token, slots, applied, t)
         client = await self._c()
+        flip = (_scripts_of(client).publish, [self._meta], p.args)
 
         async def attempt() -> None:
-            p = self._publication(value, version, token, slots, applied, t)
             # The flip goes in the round trip of the last chunks. No clean-up if it fails:
             # the flip may have happened with its reply lost, and then these keys are the
             # current value. Uncommitted ones expire (STAGE_TTL_MS); a refused flip
-            # deletes them.
-            flip = (_scripts_of(client).publish, [self._meta], p.args)
+            # deletes them, and the next attempt writes them again.
             reply = await self._write(client, p.gen, p.view, p.slots, then=flip)
             self._check_write(reply, "publish", p.version, p.token)
 

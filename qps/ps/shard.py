@@ -1021,7 +1021,7 @@ class Shard:
         results: list[BaseException | None]
         if batch is None:
             results, rest = [None] * len(names), list(range(len(names)))
-        else:  # what remains: commits whose script was not loaded
+        else:  # what remains: commits that did not run (script not loaded, or held)
             results, gs_ids = batch
             rest = [k for k, r in enumerate(results) if isinstance(r, _Fallback)]
         got = await asyncio.gather(
