@@ -346,7 +346,7 @@ async def _take_at_once(
         _queue_reads(pipe, container, counters)
         for n in names:
             await script(
-                keys=[keys.variable_prefix(container, n) + "meta"],
+                keys=[keys.variable_meta(container, n)],
                 args=[snap_id, PIN_TTL_MS],
                 client=pipe,
             )
@@ -361,7 +361,7 @@ async def _take_held(
     held, the counters and the rest are read; then the holds are released. While a
     variable is held its commits wait, so once all are held the pinned copies are the
     job's state of that instant (see the module docstring)."""
-    meta = [keys.variable_prefix(container, n) + "meta" for n in names]
+    meta = [keys.variable_meta(container, n) for n in names]
     hold = client.commands.register_script(_SNAPSHOT)
     release = client.commands.register_script(_RELEASE)
     try:
@@ -393,7 +393,7 @@ async def _unpin(client: Client, container: str, names: list[str], snap_id: str)
     with contextlib.suppress(Exception), map_errors():
         pipe = client.commands.pipeline(transaction=False)
         for n in names:
-            k = keys.variable_prefix(container, n) + "meta"
+            k = keys.variable_meta(container, n)
             await pipeline_script(client, pipe, script, [k], [snap_id])
         await pipe.execute()
 
@@ -882,9 +882,7 @@ async def _restore_variable(
         await var.fence(token)
         if int(v["t"]):
             with map_errors():
-                await client.commands.hset(
-                    keys.variable_prefix(container, name) + "meta", "t", int(v["t"])
-                )
+                await client.commands.hset(keys.variable_meta(container, name), "t", int(v["t"]))
     if v["applied"]:
         with map_errors():
             await client.commands.zadd(

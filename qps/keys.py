@@ -151,6 +151,11 @@ def variable_prefix(container: str, name: str) -> str:
     return resource_prefix(container, "v", name)
 
 
+def variable_meta(container: str, name: str) -> str:
+    """The meta hash of variable ``name`` (spec and pointer: ``KEYS[1]`` of its scripts)."""
+    return variable_prefix(container, name) + "meta"
+
+
 def variable_applied(container: str, name: str) -> str:
     """The sorted set of gradient-message ids applied to variable ``name`` whose messages
     are not yet acknowledged (message id -> server time in ms)."""

@@ -1573,7 +1573,7 @@ async def open_variable(
     keys.check_name(name)
     keys.check_container(container)
     with map_errors():
-        raw = await client.commands.hget(keys.variable_prefix(container, name) + "meta", "spec")
+        raw = await client.commands.hget(keys.variable_meta(container, name), "spec")
     if raw is None:
         raise NotFoundError(f"no variable '{name}' in container '{container}'")
     spec = VariableSpec.from_json(raw)
