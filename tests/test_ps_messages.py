@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -184,3 +185,16 @@ def test_is_finite() -> None:
     assert not is_finite(np.array([1.0, np.nan]))
     assert not is_finite(SparseGradient(np.array([0]), np.array([[np.inf]])))
     assert is_finite(SparseGradient(np.zeros(0, np.int64), np.zeros((0, 2))))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_is_finite_finds_one_bad_value_and_accepts_huge_finite_ones(dtype: Any) -> None:
+    big = np.finfo(dtype).max
+    x = np.full((64, 33), big, dtype)  # its dot product with itself overflows
+    assert is_finite(x)
+    assert is_finite(x[:, ::2])  # not contiguous
+    for bad in (np.nan, np.inf, -np.inf):
+        y = np.ones((64, 33), dtype)
+        y[40, 8] = bad
+        assert not is_finite(y)
+        assert not is_finite(y[:, ::2])

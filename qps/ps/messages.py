@@ -306,9 +306,24 @@ def _array(name: str, spec: VariableSpec, x: Any, what: str) -> npt.NDArray[Any]
 
 
 def is_finite(grad: Gradient) -> bool:
-    """Whether every value of ``grad`` is finite (no NaN or Inf)."""
+    """Whether every value of ``grad`` is finite (no NaN or Inf).
+
+    float32/float64 first try the dot product of the values with themselves (BLAS,
+    about 3x faster than ``isfinite`` over 16 MiB): NaN and Inf propagate into it, so a
+    finite result means every value is finite. A non-finite one (which huge finite
+    values can give too) is settled element by element."""
     vals = grad.values if isinstance(grad, SparseGradient) else grad
-    return bool(np.isfinite(vals).all()) if vals.size else True
+    if not vals.size:
+        return True
+    if vals.dtype in _DOT_DTYPES and vals.flags.c_contiguous:
+        flat = vals.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if bool(np.isfinite(np.dot(flat, flat))):
+                return True
+    return bool(np.isfinite(vals).all())
+
+
+_DOT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def nbytes(grads: Mapping[str, Gradient]) -> int:
