@@ -26,6 +26,7 @@ from qps.embedded import EmbeddedServer
 from qps.errors import UnavailableError
 from qps.optimizers import SGD, Adam, Optimizer
 from qps.ps import control
+from qps.ps import shard as shard_module
 from qps.ps.shard import Shard, ShardOptions
 from qps.variables import Variable
 from tests.conftest import ClientFactory, cancel_all, until
@@ -123,6 +124,27 @@ async def test_max_group_1_commits_each_message(client: qps.Client) -> None:
     await _drain(client, max_group=1)
     groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
     assert groups == N
+    await _check_state(client, opt)
+
+
+@pytest.mark.parametrize("spread", [0, shard_module.COMMIT_SPREAD])
+async def test_slow_commits_keep_groups_open_longer(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, spread: int
+) -> None:
+    """commit_interval_ms=0 with one message read ahead commits each message alone;
+    after a commit that took long (a large variable), the group stays open for
+    COMMIT_SPREAD times as long, and takes every message queued meanwhile."""
+    opt = Adam(learning_rate=0.1)
+    monkeypatch.setattr(shard_module, "READ_AHEAD_BYTES", 1)
+    monkeypatch.setattr(shard_module, "COMMIT_SPREAD", spread)
+    await _setup(client, opt)
+    await _push_all(client)
+    await control.mark_finished(client, C)
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=0))
+    shard._commit_seconds = 30.0  # as if the last commit had taken 30 s
+    assert await asyncio.wait_for(shard.run(), 60) == "finished"
+    groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
+    assert groups == N if spread == 0 else groups <= 2
     await _check_state(client, opt)
 
 

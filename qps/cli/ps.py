@@ -142,7 +142,7 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
     type=click.IntRange(min=1),
     default=DEFAULT_MAX_GROUP_BYTES >> 20,
     show_default=True,
-    help="Most MiB of gradients in one group (and read ahead).",
+    help="Most MiB of gradients in one group (and read ahead, at most 64).",
 )
 @click.option(
     "--commit-interval-ms",
@@ -150,7 +150,8 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
     default=DEFAULT_COMMIT_INTERVAL_MS,
     show_default=True,
     help="How long a group keeps taking messages that are in the queue before it "
-    "commits; it commits at once when the queue is empty.",
+    "commits (at least 4 x the last commit's duration: slow commits of large variables "
+    "stay within about a fifth of the time); it commits at once when the queue is empty.",
 )
 @click.option(
     "--max-message-mib",
@@ -270,9 +271,9 @@ def status_command(url: str | None, container: str, json: bool) -> None:
     apply) per worker.
 
     Bytes held: QUEUED, the messages waiting in its queue (in Redis); BLOCKED, the
-    pushes waiting for room in the full queue (in Redis too); HELD, what the shard
-    process holds, read ahead and in the group it applies (as of its last group or
-    lease renewal).
+    pushes waiting for room in the full queue (in Redis too); HELD, the messages the
+    shard took and has not acknowledged yet, read ahead and in the group it applies (in
+    Redis until the ack; as of its last group or lease renewal).
 
     With --json: {"container", "global_step", "finished", "shards": [...]}.
     """

@@ -51,7 +51,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -98,15 +98,26 @@ log = logging.getLogger("qps.ps")
 #: Default length of a shard's lease (ms); it renews every third of it.
 DEFAULT_LEASE_MS = 10_000
 #: Default bounds of one group commit: messages, and bytes of gradients (a single larger
-#: message still makes a group of one). The shard also reads ahead up to these bounds.
+#: message still makes a group of one). The shard also reads ahead up to these bounds
+#: (and READ_AHEAD_BYTES).
 DEFAULT_MAX_GROUP = 64
 DEFAULT_MAX_GROUP_BYTES = 256 << 20
 #: Default longest time (ms) a group stays open, from its first message, to take
 #: messages that are in the queue; it never waits when the queue is empty.
 DEFAULT_COMMIT_INTERVAL_MS = 100
+#: A group also stays open (while messages are queued) this many times as long as the
+#: shard's last commit took: with variables so large that a commit takes longer than
+#: commit_interval_ms / COMMIT_SPREAD (a 16 MiB variable with Adam: value and two
+#: slots, 48 MiB, about 100 ms), committing stays within about 1 / (1 + COMMIT_SPREAD)
+#: of a busy shard's time instead of taking most of it.
+COMMIT_SPREAD = 4
 #: Gradient bytes of a batch from which the rule runs in a worker thread (NumPy releases
 #: the GIL in large ufuncs, so the next messages are read meanwhile); below it, inline.
 THREAD_MIN_BYTES = 1 << 20
+#: The most gradient bytes read ahead of the apply (never less than one message):
+#: enough to keep the apply busy, while the buffers of large messages stay few enough
+#: to be reused (qps.buffers) rather than mapped afresh.
+READ_AHEAD_BYTES = 64 << 20
 
 
 class LeaseLostError(FailedPreconditionError):
@@ -184,7 +195,9 @@ class ShardOptions:
             messages that are in the queue (0: only those already read); it commits at
             once when the queue is empty. Checked after each batch taken (a batch is
             every message read ahead). Bounds the delay a busy shard adds before a
-            gradient is visible, and how often it commits under load.
+            gradient is visible, and how often it commits under load. A busy shard
+            whose commits take longer than a quarter of it keeps groups open for
+            :data:`COMMIT_SPREAD` times its last commit's duration instead.
         max_message_bytes: the job's largest gradient message (set once, like the
             number of shards: see :func:`qps.ps.configure`); None: the stored one, or
             :data:`~qps.ps.control.DEFAULT_MAX_MESSAGE_BYTES`. A larger message that
@@ -305,7 +318,8 @@ class _Group:
     bytes: int = 0
     stale: list[tuple[str, int]] = field(default_factory=list)
     redo: bool = False
-    msgs: list[GradientMessage] = field(default_factory=list)  # valid ones: ids to release
+    # valid messages: (id, its variables, advances the global step), the ids to release
+    applied: list[tuple[str, list[str], bool]] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)  # qps_ps_apply_seconds
 
     def full(self, max_items: int, max_bytes: int) -> bool:
@@ -416,6 +430,7 @@ class Shard:
         self.skipped = 0
         self.dead = 0
         self._held: list[Delivery] = []  # deliveries taken and not settled, in order
+        self._sizes: dict[tuple[str, ...], int] = {}  # their bytes (by tokens), as read
         self._max_message = control.DEFAULT_MAX_MESSAGE_BYTES  # the job's, set by run()
         #: ``time.monotonic()`` when the apply loop started (after the lease and the
         #: variables' loading), None before.
@@ -433,6 +448,7 @@ class Shard:
         self._tokens: list[QueueBase] | None = None  # the workers' token queues, opened once
         self._gs_opened = False  # the global-step counter created and registered
         self._scripts_loaded = False  # the commit scripts loaded (run by SHA at once)
+        self._commit_seconds = 0.0  # how long the last group commit took
         self.metrics = (metrics or _metrics.default()).shard(self.container, o.shard)
 
     # -- control ---------------------------------------------------------------------------
@@ -671,7 +687,8 @@ class Shard:
     async def _loop(self) -> str:
         assert self._queue is not None
         q = self._queue
-        inbox = self._inbox = _Inbox(self.options.max_group, self.options.max_group_bytes)
+        o = self.options
+        inbox = self._inbox = _Inbox(o.max_group, min(o.max_group_bytes, READ_AHEAD_BYTES))
         self.loop_started = time.monotonic()
         await self._sample()
         fetcher = asyncio.ensure_future(self._fetch(q, inbox))
@@ -726,6 +743,7 @@ class Shard:
                 d = await q.dequeue_acked()
                 self._held.append(d)
                 item = _Item(d, nbytes=_nbytes(d.value))
+                self._sizes[d.tokens] = item.nbytes  # still counted once its bytes are dropped
                 self.metrics.received(item.nbytes)
                 try:
                     item.msg = decode_message(d.value)
@@ -763,6 +781,8 @@ class Shard:
         False if a lease had run out (those messages come again); a nack never raises."""
         gone = {id(d) for d in ds}
         self._held = [d for d in self._held if id(d) not in gone]  # by identity
+        for d in ds:
+            self._sizes.pop(d.tokens, None)
         if not ack:
             await _quietly(asyncio.shield(q.nack(_joined(ds))))
             return True
@@ -779,7 +799,8 @@ class Shard:
         them all, then release their ids (see the module docstring)."""
         o = self.options
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + o.commit_interval_ms / 1000.0
+        interval = max(o.commit_interval_ms / 1000.0, COMMIT_SPREAD * self._commit_seconds)
+        deadline = loop.time() + interval
         g = _Group()
 
         def more() -> bool:
@@ -795,6 +816,8 @@ class Shard:
                     g.deliveries.append(item.delivery)
                     batch.append(item)
                 await self._absorb(q, g, batch)
+                batch.clear()
+                self._drop_payloads(g)
                 left = deadline - loop.time()
                 if self._stop.is_set() or g.full(o.max_group, o.max_group_bytes) or left <= 0:
                     break
@@ -807,7 +830,9 @@ class Shard:
                 await inbox.until(more, left)
                 if not inbox.items:
                     break
+            started = time.perf_counter()
             await self._commit_group(g)
+            self._commit_seconds = time.perf_counter() - started
         except StaleTokenError as exc:
             self._lost = f"ps shard {self.shard}: fenced by a newer owner ({exc}); stopping"
             self.log.error("%s", self._lost)
@@ -832,6 +857,16 @@ class Shard:
         if not acked:
             return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
         await self._released(g)
+
+    def _drop_payloads(self, g: _Group) -> None:
+        """Let go of the bytes of the group's deliveries, applied or dead-lettered by
+        now: until the ack only their tokens are needed, and the buffers of large
+        messages are then reused for the next ones (qps.buffers) rather than mapped
+        afresh while the group stays open."""
+        light = {id(d): replace(d, value=None) for d in g.deliveries if d.value is not None}
+        if light:
+            g.deliveries = [light.get(id(d), d) for d in g.deliveries]
+            self._held = [light.get(id(d), d) for d in self._held]
 
     async def _absorb(self, q: QueueBase | None, g: _Group, batch: list[_Item]) -> None:
         """Add ``batch`` to the group: dead-letter what must not be applied (acked at
@@ -932,7 +967,7 @@ class Shard:
                 g.ids.discard(m.id)
                 await self._reject(q, g, item, poisoned[k][1], poisoned[k][0])
                 continue
-            g.msgs.append(m)
+            g.applied.append((m.id, list(m.grads), m.global_step))
             staleness = -1
             for name in fresh:
                 o = self.owned[name]
@@ -1217,7 +1252,8 @@ class Shard:
         assert opt is not None
         msgs = [it.msg for it in acc.items if it.msg is not None]
         deliveries = [it.delivery for it in acc.items if it.delivery is not None]
-        g = _Group(deliveries=deliveries, msgs=msgs, fresh=len(msgs))
+        applied = [(m.id, list(m.grads), m.global_step) for m in msgs]
+        g = _Group(deliveries=deliveries, applied=applied, fresh=len(msgs))
         try:
             ids: dict[str, list[str]] = {}
             for m in msgs:
@@ -1312,12 +1348,12 @@ class Shard:
             incr["groups"] = 1
         try:
             release: dict[str, list[str]] = {}
-            for m in g.msgs:  # applied now or before: every id the group recorded
-                for name in m.grads:
-                    release.setdefault(keys.variable_applied(self.container, name), []).append(m.id)
-                if m.global_step:
+            for mid, names, step in g.applied:  # applied now or before: every id recorded
+                for name in names:
+                    release.setdefault(keys.variable_applied(self.container, name), []).append(mid)
+                if step:
                     gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
-                    release.setdefault(gs_key, []).append(m.id)
+                    release.setdefault(gs_key, []).append(mid)
             stats = self._prefix + "stats"
             commands: list[tuple[Any, ...]] = [("ZREM", k, *ids) for k, ids in release.items()]
             commands += [("HINCRBY", stats, k, n) for k, n in incr.items()]
@@ -1367,7 +1403,7 @@ class Shard:
 
     def _held_bytes(self) -> int:
         """Bytes of the messages this process holds: read ahead and in the group."""
-        return sum(_nbytes(d.value) for d in self._held)
+        return sum(self._sizes.get(d.tokens, 0) for d in self._held)
 
     async def _sample(self) -> None:
         """Read the queue's size and the dead-letter list's length for the metrics (at

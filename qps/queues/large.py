@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from qps import wire
+from qps import buffers, wire
 from qps.transport import Client, map_errors
 
 #: Elements larger than this travel out of line, as chunks of this size (DESIGN.md §4.5:
@@ -298,8 +298,8 @@ async def fetch_large(
     names = [chunk_keys(prefix, bid, nchunks) for _, (bid, nchunks, _) in refs]
     out = list(blobs)
     # Straight into one buffer per element (a lean connection: no copy after the
-    # kernel's); buffers from np.empty, not zero-filled first.
-    bufs = [np.empty(total, np.uint8).data for _, (_, _, total) in refs]
+    # kernel's); buffers from the pool, whose pages are mapped already (qps.buffers).
+    bufs = [buffers.take(total) for _, (_, _, total) in refs]
     targets = [
         buf[k * CHUNK_BYTES : min((k + 1) * CHUNK_BYTES, len(buf))]
         for buf, ks in zip(bufs, names)
