@@ -52,7 +52,7 @@ import numpy as np
 import numpy.typing as npt
 from redis.exceptions import NoScriptError
 
-from qps import initializers, keys, varspec
+from qps import buffers, initializers, keys, varspec
 from qps.errors import (
     AbortedError,
     DataLossError,
@@ -103,6 +103,10 @@ STAGE_TTL_MS = 600_000
 PREV_TTL_MS = 60_000
 #: Lock-free attempts of a large read before the ``MULTI``/``EXEC`` fallback.
 READ_ATTEMPTS = 4
+#: Values from this size on are read segment by segment straight into a reused buffer
+#: (a lean connection, :meth:`qps.transport.Client.read_into`; qps.buffers), not as
+#: ``GETRANGE`` replies joined into a fresh buffer.
+LEAN_READ_BYTES = 1 << 20
 #: Tries of the fallback (one loses only to two flips within one round trip).
 FALLBACK_ATTEMPTS = 100
 #: One ``read_rows`` script reads at most about this many bytes of rows.
@@ -1330,6 +1334,10 @@ class Variable:
     async def _read_at(self, client: Client, gen: Any, ver: Any) -> VariableValue | None:
         """Generation ``gen`` as it was at version ``ver``, read without locks; None if a
         writer changed or removed it meanwhile."""
+        if self.nbytes >= LEAN_READ_BYTES:
+            done, got = await self._read_lean(client, gen, ver)
+            if done:
+                return got
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             self._queue_chunks(pipe, gen)
@@ -1342,6 +1350,32 @@ class Variable:
         intact = (now[0] == gen and now[1] == ver) or (now[2] == gen and now[3] == ver)
         buf = self._assemble(replies[:-1]) if intact else None
         return None if buf is None else VariableValue(self._array(buf), _int(ver))
+
+    async def _read_lean(
+        self, client: Client, gen: Any, ver: Any
+    ) -> tuple[bool, VariableValue | None]:
+        """:meth:`_read_at` of a large value: every segment ``GET`` straight into its
+        place in one buffer from the pool, then the pointer read again (a round trip of
+        its own, after the data). ``(False, None)`` if the client has no lean
+        connections (read another way then), else ``(True, what _read_at returns)``."""
+        lay = self._layout
+        buf = buffers.take(self.nbytes)
+        targets, at = [], 0
+        for i in range(lay.nseg):
+            size = lay.segment_size(i)
+            targets.append(buf[at : at + size])
+            at += size
+        lengths = await client.read_into([self._seg(gen, i) for i in range(lay.nseg)], targets)
+        if lengths is None:
+            return False, None
+        with map_errors():
+            now = await client.commands.hmget(self._meta, *self._POINTER)
+        if now[0] is None:
+            raise self._gone()
+        intact = (now[0] == gen and now[1] == ver) or (now[2] == gen and now[3] == ver)
+        if not intact or any(n is None or n < 0 for n in lengths):
+            return True, None
+        return True, VariableValue(np.frombuffer(buf, self.dtype).reshape(self.shape), _int(ver))
 
     async def _read_atomic(self, client: Client) -> VariableValue:
         """The fallback: learn the generation, then read it inside MULTI/EXEC."""

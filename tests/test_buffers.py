@@ -108,9 +108,35 @@ async def test_a_shard_lets_go_of_applied_messages(
     shard = Shard(client, ShardOptions(0, 1, container=container, commit_interval_ms=60_000))
     assert await shard.run() == "finished"
     assert shard.applied == n
+    fresh, reused = pool.fresh, pool.reused
     async with qps.Session(client=client, container=container) as s:
         got = (await s.pull("w")).value
     np.testing.assert_array_equal(got, np.full(size, -float(n * (n + 1) // 2)))
     if real:
-        assert pool.fresh + pool.reused == n
-        assert pool.fresh <= 4, (pool.fresh, pool.reused)  # not one per message held
+        assert fresh + reused == n
+        assert fresh <= 4, (fresh, reused)  # not one per message held
+
+
+async def test_large_variable_reads_keep_earlier_values(
+    client: qps.Client, pool: buffers.BufferPool
+) -> None:
+    """Reads of a 2 MiB variable go into reused buffers; a value the caller keeps is
+    never the buffer of a later read."""
+    real = not isinstance(client.commands, fakeredis.FakeAsyncRedis)
+    v = qps.Variable("big", (512, 512), np.float64, initializer="zeros", client=client)
+    await v.create()
+    kept = []
+    for version in range(1, 5):
+        await v.publish(np.full((512, 512), float(version)), version, 0)
+        got = await v.read()
+        assert got.version == version
+        if version % 2:
+            kept.append((version, got.value))  # the others are dropped at once
+        del got
+    for version, value in kept:
+        np.testing.assert_array_equal(value, np.full((512, 512), float(version)))
+    value = (await v.read()).value
+    value[0, 0] = -1.0  # the caller's own copy: writable, changes nothing stored
+    assert (await v.read()).value[0, 0] == 4.0
+    if real:  # the buffers of versions 2 and 4 were read into again
+        assert pool.reused >= 2 and pool.fresh <= 4, (pool.fresh, pool.reused)
