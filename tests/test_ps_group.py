@@ -141,7 +141,7 @@ async def test_slow_commits_keep_groups_open_longer(
     await _push_all(client)
     await control.mark_finished(client, C)
     shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=0))
-    shard._commit_seconds = 30.0  # as if the last commit had taken 30 s
+    shard._commit_seconds = 30.0  # as if the last commit had taken 30 s (capped: 2 s)
     assert await asyncio.wait_for(shard.run(), 60) == "finished"
     groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
     assert groups == N if spread == 0 else groups <= 2
@@ -339,3 +339,25 @@ async def test_a_shard_killed_inside_a_group_loses_nothing(
         await _check_state(client, opt)
     finally:
         await client.close()
+
+
+async def test_the_read_ahead_never_loses_a_wake_up() -> None:
+    """The reader puts a message and at once waits for room again, before the applier's
+    wait has started: the applier still wakes (a shared event cleared by each waiter
+    lost this wake-up, and the group then stayed open until commit_interval_ms)."""
+    inbox = shard_module._Inbox(max_items=1, max_bytes=1 << 30)
+    item = shard_module._Item(None, nbytes=1)
+
+    async def reader() -> None:
+        inbox.put(item)
+        await inbox.until(lambda: not inbox.full(), 30)
+
+    applier = asyncio.ensure_future(inbox.until(lambda: bool(inbox.items), 30))
+    feeding = asyncio.ensure_future(reader())
+    try:
+        await asyncio.wait_for(asyncio.shield(applier), 5)
+        assert list(inbox.items) == [item]
+        assert inbox.take() is item  # room again: the reader wakes too
+        await asyncio.wait_for(feeding, 5)
+    finally:
+        await cancel_all([applier, feeding])

@@ -45,6 +45,7 @@ changed (loaded again from their last commit) and gives the deliveries back. See
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -59,7 +60,6 @@ import numpy.typing as npt
 
 from qps import keys, variables
 from qps import metrics as _metrics
-from qps.aio import wait_event
 from qps.containers import Counter
 from qps.errors import (
     AbortedError,
@@ -111,6 +111,9 @@ DEFAULT_COMMIT_INTERVAL_MS = 100
 #: slots, 48 MiB, about 100 ms), committing stays within about 1 / (1 + COMMIT_SPREAD)
 #: of a busy shard's time instead of taking most of it.
 COMMIT_SPREAD = 4
+#: ... but never longer than this (s): a commit slowed down once (a checkpoint's hold,
+#: a stalled server) does not keep the next group open for long.
+COMMIT_SPREAD_MAX_S = 2.0
 #: Gradient bytes of a batch from which the rule runs in a worker thread (NumPy releases
 #: the GIL in large ufuncs, so the next messages are read meanwhile); below it, inline.
 THREAD_MIN_BYTES = 1 << 20
@@ -197,7 +200,8 @@ class ShardOptions:
             every message read ahead). Bounds the delay a busy shard adds before a
             gradient is visible, and how often it commits under load. A busy shard
             whose commits take longer than a quarter of it keeps groups open for
-            :data:`COMMIT_SPREAD` times its last commit's duration instead.
+            :data:`COMMIT_SPREAD` times its last commit's duration instead (at most
+            :data:`COMMIT_SPREAD_MAX_S`).
         max_message_bytes: the job's largest gradient message (set once, like the
             number of shards: see :func:`qps.ps.configure`); None: the stored one, or
             :data:`~qps.ps.control.DEFAULT_MAX_MESSAGE_BYTES`. A larger message that
@@ -242,7 +246,11 @@ class _Item:
 
 class _Inbox:
     """Deliveries read ahead of the apply, in order, bounded by count and bytes; the
-    reader and the applier wake each other through one event."""
+    reader and the applier wake each other: every change resolves the futures of all
+    those waiting (:meth:`until`), each registered before its waiter sleeps, so a
+    wake-up is never lost. (One shared event that each waiter cleared before waiting
+    lost them: the reader's put set it and its own next wait cleared it again before
+    the applier's wait had started, which then slept until its timeout.)"""
 
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self.items: deque[_Item] = deque()
@@ -250,7 +258,7 @@ class _Inbox:
         self.done = False  # the queue is closed and drained
         self.error: BaseException | None = None
         self._max_items, self._max_bytes = max_items, max_bytes
-        self._changed = asyncio.Event()
+        self._waiting: list[asyncio.Future[None]] = []
 
     def full(self) -> bool:
         return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
@@ -258,38 +266,48 @@ class _Inbox:
     def put(self, item: _Item) -> None:
         self.items.append(item)
         self.nbytes += item.nbytes
-        self._changed.set()
+        self._changed()
 
     def take(self) -> _Item:
         item = self.items.popleft()
         self.nbytes -= item.nbytes
-        self._changed.set()
+        self._changed()
         return item
 
     def finish(self) -> None:
         self.done = True
-        self._changed.set()
+        self._changed()
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
-        self._changed.set()
+        self._changed()
 
     def wake(self) -> None:
-        self._changed.set()
+        self._changed()
+
+    def _changed(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
 
     async def until(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
         """Return once ``ready()`` (checked at every change) or after ``timeout`` s."""
         loop = asyncio.get_running_loop()
         end = None if timeout is None else loop.time() + timeout
         while not ready():
-            self._changed.clear()
-            if end is None:
-                await self._changed.wait()
-                continue
-            left = end - loop.time()
-            if left <= 0:
+            left = None if end is None else end - loop.time()
+            if left is not None and left <= 0:
                 return
-            await wait_event(self._changed, left)
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiting.append(fut)
+            try:
+                await asyncio.wait({fut}, timeout=left)
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                    with contextlib.suppress(ValueError):
+                        self._waiting.remove(fut)
 
 
 @dataclass
@@ -799,7 +817,8 @@ class Shard:
         them all, then release their ids (see the module docstring)."""
         o = self.options
         loop = asyncio.get_running_loop()
-        interval = max(o.commit_interval_ms / 1000.0, COMMIT_SPREAD * self._commit_seconds)
+        spread = min(COMMIT_SPREAD * self._commit_seconds, COMMIT_SPREAD_MAX_S)
+        interval = max(o.commit_interval_ms / 1000.0, spread)
         deadline = loop.time() + interval
         g = _Group()
 
