@@ -63,7 +63,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.initializers import Initializer
-from qps.transport import Client, map_errors, pipeline_script
+from qps.transport import Client, map_errors, pipeline_script, write_all
 from qps.varspec import (
     MAX_BYTES,
     Layout,
@@ -849,27 +849,21 @@ class Variable:
         the keys are removed (or expire).
 
         ``then``: a redis-py script with its keys and arguments (the commit), run after
-        the writes and returned; in the same round trip as the last of them, and then
-        no clean-up on failure (the script may have run with its reply lost)."""
+        the writes and returned; no clean-up on failure then (the script may have run
+        with its reply lost). The writes go on a lean connection where there is one
+        (:func:`~qps.transport.write_all`: the segments' buffers are sent as they are)."""
         batches = self._write_batches(gen, view, slots)
-        names = [c[1] for b in batches for c in b if c[0] == "PEXPIRE"]
+        names = [c[1] for b in batches for c in b if c[0] in ("PEXPIRE", "SET")]
         try:
+            for batch in batches:
+                await write_all(client, batch)
+            if then is None:
+                return None
+            names = []  # the script may run: its keys may be the current value
             with map_errors():
-                pipes: list[Any] = []
-                for batch in batches:
-                    pipe = client.commands.pipeline(transaction=False)
-                    for command in batch:
-                        pipe.execute_command(*command)
-                    pipes.append(pipe)
-                if then is None:
-                    for p in pipes:
-                        await p.execute()
-                    return None
-                last = pipes.pop() if pipes else client.commands.pipeline(transaction=False)
-                for p in pipes:
-                    await p.execute()
-                names = []  # the script may run: its keys may be the current value
-                return await _execute_then(client, last, *then)
+                return await _execute_then(
+                    client, client.commands.pipeline(transaction=False), *then
+                )
         except BaseException:
             if names:
                 with contextlib.suppress(Exception):  # they expire anyway

@@ -279,6 +279,29 @@ async def _true(value: bool) -> bool:
     return value
 
 
+async def test_large_writes_go_on_a_connection_of_their_own(server_url: str) -> None:
+    """Client.write_commands: the buffers as they are, one round trip, replies (errors in
+    place) in order, not on the connection the scripts share; transport.write_all
+    raises the first error."""
+    client = await transport.connect(server_url)
+    try:
+        big = np.arange(3 * 2**20, dtype=np.uint8)  # a NumPy buffer, sent without a copy
+        replies = await client.write_commands(
+            [(b"SET", "wc:a", big.data, b"PX", 60_000), (b"SET", "wc:b", b"x"), (b"INCR", "wc:b")]
+        )
+        assert replies is not None and replies[:2] == [b"OK", b"OK"]
+        assert isinstance(replies[2], InternalError)  # not an integer: in its place
+        assert await client.commands.get("wc:a") == big.tobytes()
+        assert 0 < await client.commands.pttl("wc:a") <= 60_000
+        assert client._lean is None or client._lean not in client._idle
+        with pytest.raises(InternalError):
+            await transport.write_all(client, [(b"SET", "wc:c", b"1"), (b"INCR", "wc:b")])
+        assert await client.commands.get("wc:c") == b"1"
+        await client.commands.delete("wc:a", "wc:b", "wc:c")
+    finally:
+        await client.close()
+
+
 # -- pipelining, cancellation, errors ---------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from qps import buffers, wire
-from qps.transport import Client, map_errors
+from qps.transport import Client, map_errors, write_all
 
 #: Elements larger than this travel out of line, as chunks of this size (DESIGN.md §4.5:
 #: about 2x faster than one large value through redis-py and hiredis).
@@ -265,21 +265,19 @@ async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any
     if not any(is_large(b) for b in blobs):
         return blobs
     out: list[Any] = []
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for i, blob in enumerate(blobs):
-            parts = blob if isinstance(blob, list) else [blob]
-            total = sum(nbytes(p) for p in parts)
-            if total <= CHUNK_BYTES:
-                out.append(parts[0] if len(parts) == 1 else b"".join(parts))
-                continue
-            bid = f"{aid}.{i}"
-            chunks = chunks_of(parts, CHUNK_BYTES)
-            for key, chunk in zip(chunk_keys(prefix, bid, len(chunks)), chunks):
-                pipe.set(key, chunk, px=CHUNK_TTL_MS)
-            out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
-        if len(pipe):
-            await pipe.execute()
+    commands: list[tuple[Any, ...]] = []
+    for i, blob in enumerate(blobs):
+        parts = blob if isinstance(blob, list) else [blob]
+        total = sum(nbytes(p) for p in parts)
+        if total <= CHUNK_BYTES:
+            out.append(parts[0] if len(parts) == 1 else b"".join(parts))
+            continue
+        bid = f"{aid}.{i}"
+        chunks = chunks_of(parts, CHUNK_BYTES)
+        for key, chunk in zip(chunk_keys(prefix, bid, len(chunks)), chunks):
+            commands.append((b"SET", key, chunk, b"PX", CHUNK_TTL_MS))
+        out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
+    await write_all(client, commands)
     return out
 
 
