@@ -200,7 +200,8 @@ async def test_roles_serve_their_metrics_during_training(
     client = await make_client()
     await control.configure(client, c, 1, SGD(learning_rate=0.1))
     m_ps, m_worker, m_feed = _serve(served), _serve(served), _serve(served)
-    shard = Shard(await make_client(), ShardOptions(0, 1, container=c, lease_ms=300), m_ps)
+    # every role shares this event loop: a lease long enough for a loaded machine's stalls
+    shard = Shard(await make_client(), ShardOptions(0, 1, container=c, lease_ms=5000), m_ps)
     shard_task = asyncio.create_task(shard.run())
     data = load_digits()
     options = FeedOptions(queue="input", container=c, batch_size=100, capacity=300, seed=0)
