@@ -394,6 +394,13 @@ class Client:
         conn = await self._waiter_connection()
         if conn is None:
             return None
+        return [_error_in_place(r) for r in await self._exchange(conn, commands)]
+
+    async def _exchange(
+        self, conn: resp.Connection, commands: Sequence[Sequence[Any]]
+    ) -> list[Any]:
+        """``commands`` on ``conn``, a waiter connection: given back to the free ones
+        after a complete exchange, closed if left in the middle of one (cancelled)."""
         self._busy.add(conn)
         reusable = False
         try:
@@ -405,7 +412,7 @@ class Client:
                 self._idle.append(conn)
             else:
                 conn.close()
-        return [_error_in_place(r) for r in replies]
+        return replies
 
     def _keep_bulk(self, reader: resp.BulkReader) -> None:
         if self._endpoint is None or reader.closed or len(self._bulk) >= 4:
@@ -652,17 +659,7 @@ class Client:
         commands.append((b"BLPOP", wake_key, block))
         commands.append((b"EVALSHA", script.sha, len(keys), *keys, *args))
         commands.extend(after)
-        self._busy.add(conn)
-        reusable = False
-        try:
-            replies = await _call_many(conn, commands)
-            reusable = True
-        finally:
-            self._busy.discard(conn)
-            if reusable and self._endpoint is not None and not conn.closed:
-                self._idle.append(conn)
-            else:
-                conn.close()
+        replies = await self._exchange(conn, commands)
         lead_reply = None
         if first is not None:
             lead_reply = replies.pop(0)
