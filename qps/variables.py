@@ -591,6 +591,13 @@ async def read_many(variables: Sequence[Variable]) -> list[VariableValue]:
     return [got for got in out if got is not None]
 
 
+def _unchanged(now: Sequence[Any], gen: Any, ver: Any) -> bool:
+    """Whether generation ``gen``, seen current at version ``ver``, is untouched since:
+    still current at ``ver``, or retired (once) at ``ver`` (``now``: the meta's ``gen
+    ver prev pver``, read after the data)."""
+    return bool((now[0] == gen and now[1] == ver) or (now[2] == gen and now[3] == ver))
+
+
 async def _read_current(variables: Sequence[Variable]) -> list[VariableValue | None]:
     """The values of small variables of one client on a single server, from the copies
     their writes keep current (``<V>cur`` at the meta's ``curver``), all in one
@@ -1340,8 +1347,7 @@ class Variable:
         now = replies[-1]
         if now[0] is None:
             raise self._gone()
-        # untouched since we saw it at ver: still current at ver, or retired (once) at ver
-        intact = (now[0] == gen and now[1] == ver) or (now[2] == gen and now[3] == ver)
+        intact = _unchanged(now, gen, ver)
         buf = self._assemble(replies[:-1]) if intact else None
         return None if buf is None else VariableValue(self._array(buf), _int(ver))
 
@@ -1366,7 +1372,7 @@ class Variable:
             now = await client.commands.hmget(self._meta, *self._POINTER)
         if now[0] is None:
             raise self._gone()
-        intact = (now[0] == gen and now[1] == ver) or (now[2] == gen and now[3] == ver)
+        intact = _unchanged(now, gen, ver)
         if not intact or any(n is None or n < 0 for n in lengths):
             return True, None
         return True, VariableValue(np.frombuffer(buf, self.dtype).reshape(self.shape), _int(ver))
