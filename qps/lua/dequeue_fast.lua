@@ -26,6 +26,17 @@ do
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
+  local function chunk_ttl(v)  -- a large element's reference: its chunks get their TTL
+    local b1, b2, b3 = string.byte(v, 1, 3)
+    if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|'
+      local bid, c = string.match(string.sub(v, 1, 64), '^QR|([^|]+)|(%d+)|')
+      if bid then
+        for k = 0, tonumber(c) - 1 do
+          redis.call('PEXPIRE', P .. 'b:' .. bid .. ':' .. k, 600000)  -- CHUNK_TTL_MS
+        end
+      end
+    end
+  end
   n = tonumber(n)
   if prev and prev ~= '-' then  -- drop_record (queue_common.lua)
     local bk = P .. 'b:' .. prev
@@ -45,28 +56,31 @@ do
       and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
     local x = tonumber(M[4]) or 0
-    local len = redis.call('LLEN', items)
-    if acked == '1' and x == 0 and len >= 1 then
-      local vals = redis.call('LPOP', items, 1)
-      redis.call('RPUSH', hk, vals[1])
-      redis.call('ZADD', lease, now_ms() + tonumber(ms), 'r|' .. id)
-      redis.call('HINCRBY', KEYS[1], 'w', 1)
-      redis.call('HINCRBY', KEYS[1], 'deq', 1)
-      return woken({'ok', vals})
-    elseif acked == '0' and x == 0 and len >= n then
+    local len
+    if x == 0 and n == 1 then
+      -- one plain element: moved into the delivery record in one call
+      local v = redis.call('LMOVE', items, hk, 'LEFT', 'RIGHT')
+      if v and acked == '1' then
+        redis.call('ZADD', lease, now_ms() + tonumber(ms), 'r|' .. id)
+        redis.call('HINCRBY', KEYS[1], 'w', '1')
+        redis.call('HINCRBY', KEYS[1], 'deq', '1')
+        return woken({'ok', {v}})
+      elseif v then
+        redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
+        chunk_ttl(v)
+        redis.call('HINCRBY', KEYS[1], 'deq', '1')
+        return woken({'ok', {v}})
+      end
+      len = 0
+    else
+      len = redis.call('LLEN', items)
+    end
+    if acked == '0' and x == 0 and len >= n then
       local vals = redis.call('LPOP', items, n)
       redis.call('RPUSH', hk, unpack(vals))
       redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
       for _, v in ipairs(vals) do
-        local b1, b2, b3 = string.byte(v, 1, 3)
-        if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|': a large element's reference
-          local bid, c = string.match(string.sub(v, 1, 64), '^QR|([^|]+)|(%d+)|')
-          if bid then
-            for k = 0, tonumber(c) - 1 do
-              redis.call('PEXPIRE', P .. 'b:' .. bid .. ':' .. k, 600000)  -- CHUNK_TTL_MS
-            end
-          end
-        end
+        chunk_ttl(v)
       end
       redis.call('HINCRBY', KEYS[1], 'deq', n)
       return woken({'ok', vals})

@@ -86,14 +86,18 @@ do
       local items = P .. 'items'
       local cap = tonumber(M[2])
       local x = tonumber(M[5]) or 0
-      if cap < 0 or redis.call('LLEN', items) + x + count <= cap then
-        redis.call('RPUSH', items, unpack(ARGV, 2))
+      -- pushed first, taken back if there was no room (the full script then waits):
+      -- the common case needs no LLEN
+      local len = redis.call('RPUSH', items, unpack(ARGV, 2))
+      if cap >= 0 and len - n + x + count > cap then
+        redis.call('RPOP', items, n)
+      else
         if bid then
           redis.call('PERSIST', P .. 'b:' .. bid)
           redis.call('PERSIST', P .. 'b:' .. bid .. ':u')
           redis.call('HINCRBY', KEYS[1], 'x', count - 1)
         end
-        redis.call('HINCRBY', KEYS[1], 'enq', count)
+        redis.call('HINCRBY', KEYS[1], 'enq', count == 1 and '1' or count)
         return {'ok'}
       end
     end
