@@ -17,6 +17,11 @@ per worker per update).
 
 Metric: examples/s = steps x workers x batch / T, and the test accuracy of the final
 parameters. A dedicated redis-server (TCP loopback, no persistence) serves qps and raw.
+Also printed: the payload bytes per worker step through Redis (P = the parameters'
+bytes; both designs relay through Redis: pull P, push P, the PS reads P and writes P)
+and the loopback bytes per worker step measured from ``/proc/net/dev`` (``lo``, received
+bytes) over the whole run of each side (set-up and the final reads included), as
+WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
 """
@@ -161,6 +166,27 @@ def run_numpy() -> dict[str, Any]:
     return {"seconds": t, "accuracy": accuracy(p, xte, yte)}
 
 
+def lo_bytes() -> int | None:
+    """Bytes received on the loopback interface so far (None where unreadable)."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def measured(run: Any, *args: Any) -> dict[str, Any]:
+    """``run(*args)``'s result with ``lo_bytes``: the loopback bytes during the run."""
+    before = lo_bytes()
+    out = run(*args)
+    after = lo_bytes()
+    out["lo_bytes"] = None if before is None or after is None else after - before
+    return out
+
+
 # -- raw Redis PS ---------------------------------------------------------------------------
 
 
@@ -288,8 +314,8 @@ def main() -> None:
         got: dict[str, list[dict[str, Any]]] = {"qps": [], "raw": [], "numpy": []}
         for rep in range(args.reps):
             got["numpy"].append(run_numpy())
-            got["raw"].append(run_raw(args.workload, server.url))
-            got["qps"].append(run_qps(server.url, rep))
+            got["raw"].append(measured(run_raw, args.workload, server.url))
+            got["qps"].append(measured(run_qps, server.url, rep))
             print(f"rep {rep}: " + ", ".join(
                 f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
                 f"(acc {v[-1]['accuracy']:.3f})" for k, v in got.items()
@@ -305,10 +331,19 @@ def main() -> None:
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
-    print(f"| {args.workload.upper()} | examples/s | test accuracy |")
-    print("|---|---|---|")
+    steps = STEPS * WORKERS
+    p_bytes = sum(4 * (i * o + o) for i, o in SIZES)  # float32 weights and biases
+    print(f"| {args.workload.upper()} | examples/s | test accuracy | loopback bytes per "
+          "worker step |")  # fmt: skip
+    print("|---|---|---|---|")
     for k in ("qps", "raw", "numpy"):
-        print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} |")
+        lo = [r["lo_bytes"] for r in got[k] if r.get("lo_bytes") is not None]
+        per = f"{statistics.median(lo) / steps / 1e6:.1f} MB" if lo else "—"
+        print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} | {per} |")
+    print(
+        f"\nP = {p_bytes:,} bytes; payload through Redis per worker step: 4P = "
+        f"{4 * p_bytes / 1e6:.1f} MB for both (pull, push, the PS's read and write)"
+    )
     goal = {"w4": 1.2, "w5": 2.0, "w6": 1.0}[args.workload]
     print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}); qps staleness "
           f"p50 {stale['staleness_p50']} / p99 {stale['staleness_p99']}")  # fmt: skip
