@@ -132,3 +132,47 @@ async def test_unreachable_server_is_unavailable_error():
         await qps.connect("redis://u:secret@127.0.0.1:1/0")
     assert "secret" not in str(info.value)
     assert str(info.value).count("unreachable") <= 1
+
+
+async def test_elements_that_only_look_like_the_spec_are_set_aside(client):
+    """One-element dequeues of a fixed numeric spec take a quick path for bytes that are
+    exactly an element of the spec (its header, then its bytes); anything else, even
+    with that header in front, still goes through the checking decoder."""
+    q = qps.FIFOQueue(10, np.float32, shapes=[[4]], shared_name="look", client=client)
+    good = wire.encode([np.arange(4, dtype=np.float32)])
+    header = good[: len(good) - 16]
+    items = await _items(client, q)
+    await q.size()
+    await client.commands.rpush(items, header + b"\x00" * 15)  # one byte short
+    await client.commands.rpush(items, header + b"\x00" * 17)  # one byte over
+    await client.commands.rpush(items, wire.encode([np.zeros(4, np.int32)]))  # same length
+    await client.commands.rpush(items, good)
+    got = await q.dequeue()
+    assert got.dtype == np.float32 and got.shape == (4,) and got.tolist() == [0, 1, 2, 3]
+    s = await q.stats()
+    assert s.dead_letters == 3 and s.size == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(8, dtype=np.float32)[::2],  # not contiguous
+        np.asfortranarray(np.arange(4, dtype=np.float32).reshape(2, 2)).reshape(4),
+        np.arange(4, dtype=np.float32),
+    ],
+)
+async def test_one_element_round_trips_stored_as_the_wire_format(client, value):
+    q = qps.FIFOQueue(4, np.float32, shapes=[[4]], client=client)
+    await q.enqueue(value)
+    items = await _items(client, q)
+    stored = await client.commands.lindex(items, 0)
+    assert stored == wire.encode([np.ascontiguousarray(value)])  # what any reader decodes
+    got = await q.dequeue()
+    assert got.dtype == np.float32 and got.tolist() == value.tolist()
+
+
+async def test_a_byte_swapped_array_is_refused_as_before(client):
+    q = qps.FIFOQueue(4, np.float32, shapes=[[4]], client=client)
+    with pytest.raises(InvalidArgumentError, match="Type mismatch"):
+        await q.enqueue(np.zeros(4, ">f4"))
+    assert await q.size() == 0

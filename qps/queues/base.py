@@ -163,6 +163,40 @@ def _string_array(value: Any, index: int) -> np.ndarray:
         raise InvalidArgumentError(f"component {index}: cannot convert {value!r}") from exc
 
 
+@dataclass(frozen=True)
+class _Quick:
+    """The encoding of one element of a queue of one fixed-shape numeric component:
+    every such element is ``header`` + the array's bytes in C order, ``total`` bytes."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    header: bytes
+    total: int
+
+
+QUICK_MAX_BYTES = 64 * 1024  # elements up to this size take the quick codec
+
+
+def _quick_codec(spec: QueueSpec, fixed: bool) -> _Quick | None:
+    """The quick codec of ``spec`` (see :class:`_Quick`), or None where elements vary:
+    several components, names, strings, bools (decoding checks their bytes), shapes not
+    fully defined, or elements too large to be sent whole."""
+    if not fixed or len(spec.dtypes) != 1 or spec.names is not None or spec.shapes is None:
+        return None
+    dtype = np.dtype(spec.dtypes[0])
+    if dtype.kind not in "iuf" or not dtype.isnative:
+        return None
+    shape = tuple(int(d) for d in spec.shapes[0])  # type: ignore[arg-type]
+    sample = np.zeros(shape, dtype)
+    if sample.nbytes > QUICK_MAX_BYTES:
+        return None
+    blob = wire.encode([sample])
+    header = blob[: len(blob) - sample.nbytes]
+    if blob != header + sample.tobytes():  # a layout with padding or trailing bytes
+        return None
+    return _Quick(dtype, shape, header, len(blob))
+
+
 class QueueBase:
     """Behaviour common to every queue type; use a subclass."""
 
@@ -196,6 +230,14 @@ class QueueBase:
         self._saw_entries = False  # whether a batch entry was ever delivered to us
         # the fixed-shape batch fast path needs one element length: strings vary in width
         self._fixed = spec.fully_defined and not any(is_string(d) for d in spec.dtypes)
+        # one-element enqueues and dequeues skip the general codec where elements are
+        # all alike (and the subclass stores them as they are: not PriorityQueue's keys)
+        self._quick = (
+            _quick_codec(spec, self._fixed)
+            if type(self)._order_keys is QueueBase._order_keys
+            and type(self)._strip_keys is QueueBase._strip_keys
+            else None
+        )
 
     # -- properties -----------------------------------------------------------
     @property
@@ -421,6 +463,15 @@ class QueueBase:
                     )
 
     def _decode_one(self, blob: bytes) -> list[np.ndarray]:
+        quick = self._quick
+        if (
+            quick is not None
+            and type(blob) is bytes
+            and len(blob) == quick.total
+            and blob.startswith(quick.header)
+        ):  # exactly the bytes wire.encode gives for an element of the spec
+            flat = np.frombuffer(blob, quick.dtype, offset=len(quick.header))
+            return [flat.reshape(quick.shape)]
         arrays = wire.decode(blob).arrays
         self._check_element(arrays)
         return arrays
@@ -689,6 +740,15 @@ class QueueBase:
                 ``close(cancel_pending_enqueues=True)`` or by closing the client.
             DeadlineExceededError: ``timeout`` seconds passed; nothing was inserted.
         """
+        quick = self._quick
+        if (
+            quick is not None
+            and type(vals) is np.ndarray
+            and vals.dtype is quick.dtype
+            and vals.shape == quick.shape
+        ):  # what _prepare_one and encode_element give for it, without their checks
+            await self._enqueue_blobs([quick.header + vals.tobytes()], timeout, False)
+            return
         arrays = self._prepare_one(vals)
         order = self._order_keys(arrays, None)
         await self._enqueue_blobs([encode_element(arrays)], timeout, False, order)
