@@ -318,3 +318,61 @@ async def test_reclaim_puts_back_what_consumers_hold_in_order(make_client):
     with pytest.raises(AbortedError):
         await q_dead.ack(d2)
     assert await q.reclaim() == 0 and await q.size() == 0
+
+
+async def _pending_enqueues(q):
+    return (await q.stats()).pending_enqueues
+
+
+@pytest.mark.parametrize("acked", [False, True])
+async def test_a_dequeue_admits_the_enqueue_waiting_for_room(client, acked):
+    """A full queue with one enqueue waiting (a PS shard's gradient queue whose workers
+    are ahead): a dequeue takes the head and admits the waiting element, as the full
+    script's flush does; the enqueue completes and nothing is left of its attempt."""
+    q = fifo(client, capacity=2, name=f"admit{int(acked)}")
+    prefix = keys.queue_prefix("default", f"admit{int(acked)}")
+    await q.enqueue_many(np.arange(2, dtype=I64))
+    for k in range(3):  # three rounds: each dequeue admits the waiting enqueue
+        blocked = asyncio.ensure_future(q.enqueue(I64(10 + k)))
+        await until(lambda: _pending_enqueues(q))
+        if acked:
+            d = await q.dequeue_acked()
+            got = int(d.value)
+            await q.ack(d)
+        else:
+            got = int(await q.dequeue())
+        await blocked
+        assert got == [0, 1, 10][k]
+        s = await q.stats()
+        assert (s.size, s.pending_enqueues, s.enqueued_total) == (2, 0, 3 + k)
+        assert await client.commands.zcard(prefix + "lease") == int(
+            await client.commands.hget(prefix + "meta", "w")
+        )
+        assert not await client.commands.keys(prefix + "a:*:p")
+    assert (await q.dequeue_many(2)).tolist() == [11, 12]
+    assert await client.commands.zcard(prefix + "lease") == 0
+
+
+@pytest.mark.parametrize("waiting", [3, 5])
+async def test_waiting_rows_are_admitted_by_the_full_script(client, waiting):
+    """A waiting enqueue_many with several elements left, as plain entries (3 rows of
+    16 KiB) or as one 'QB|' batch entry standing for several (5 rows, one buffer): the
+    dequeue's fast path leaves them to the full script, which admits what fits (and
+    splits the entry), in order, never past the capacity."""
+    name = f"admitrows{waiting}"
+    q = qps.FIFOQueue(3, np.float32, shapes=[[64, 64]], shared_name=name, client=client)
+    rows = np.arange((2 + waiting) * 64 * 64, dtype=np.float32).reshape(-1, 64, 64)
+    await q.enqueue(rows[0])
+    await q.enqueue(rows[1])
+    blocked = asyncio.ensure_future(q.enqueue_many(rows[2:]))  # one fits, the rest waits
+    await until(lambda: _pending_enqueues(q))
+    pending = await client.commands.keys(keys.queue_prefix("default", name) + "a:*:p")
+    entries = await client.commands.lrange(pending[0], 0, -1)
+    assert len(entries) == (1 if waiting == 5 else 2)  # the 5 rows are one batch entry
+    for k in range(waiting - 1):
+        assert (await q.stats()).size == 3
+        assert float((await q.dequeue())[0, 0]) == rows[k, 0, 0]
+    await blocked
+    s = await q.stats()
+    assert (s.size, s.pending_enqueues, s.enqueued_total) == (3, 0, 2 + waiting)
+    assert (await q.dequeue_many(3)).tolist() == rows[-3:].tolist()
