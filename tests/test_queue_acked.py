@@ -327,8 +327,8 @@ async def _pending_enqueues(q):
 @pytest.mark.parametrize("acked", [False, True])
 async def test_a_dequeue_admits_the_enqueue_waiting_for_room(client, acked):
     """A full queue with one enqueue waiting (a PS shard's gradient queue whose workers
-    are ahead): a dequeue takes the head and admits the waiting element, as the full
-    script's flush does; the enqueue completes and nothing is left of its attempt."""
+    are ahead): a dequeue takes the head and admits the waiting element; the enqueue
+    completes and nothing is left of its attempt (its lease, its pending list)."""
     q = fifo(client, capacity=2, name=f"admit{int(acked)}")
     prefix = keys.queue_prefix("default", f"admit{int(acked)}")
     await q.enqueue_many(np.arange(2, dtype=I64))
@@ -354,11 +354,10 @@ async def test_a_dequeue_admits_the_enqueue_waiting_for_room(client, acked):
 
 
 @pytest.mark.parametrize("waiting", [3, 5])
-async def test_waiting_rows_are_admitted_by_the_full_script(client, waiting):
+async def test_waiting_rows_are_admitted_as_room_is_made(client, waiting):
     """A waiting enqueue_many with several elements left, as plain entries (3 rows of
-    16 KiB) or as one 'QB|' batch entry standing for several (5 rows, one buffer): the
-    dequeue's fast path leaves them to the full script, which admits what fits (and
-    splits the entry), in order, never past the capacity."""
+    16 KiB) or as one 'QB|' batch entry standing for several (5 rows, one buffer): each
+    dequeue admits what fits (splitting the entry), in order, never past the capacity."""
     name = f"admitrows{waiting}"
     q = qps.FIFOQueue(3, np.float32, shapes=[[64, 64]], shared_name=name, client=client)
     rows = np.arange((2 + waiting) * 64 * 64, dtype=np.float32).reshape(-1, 64, 64)
@@ -376,3 +375,26 @@ async def test_waiting_rows_are_admitted_by_the_full_script(client, waiting):
     s = await q.stats()
     assert (s.size, s.pending_enqueues, s.enqueued_total) == (3, 0, 2 + waiting)
     assert (await q.dequeue_many(3)).tolist() == rows[-3:].tolist()
+
+
+async def test_waiting_enqueues_are_admitted_one_per_dequeue_in_order(client):
+    q = fifo(client, capacity=2, name="admit2")
+    prefix = keys.queue_prefix("default", "admit2")
+    await q.enqueue_many(np.arange(2, dtype=I64))
+    first = asyncio.ensure_future(q.enqueue(I64(10)))
+    await until(lambda: _pending_enqueues(q))
+    second = asyncio.ensure_future(q.enqueue(I64(11)))
+    await until(lambda: _two_pending_enqueues(q))
+    assert int(await q.dequeue()) == 0
+    await first
+    s = await q.stats()
+    assert (s.size, s.pending_enqueues) == (2, 1)  # the room went to the first waiter
+    assert int(await q.dequeue()) == 1
+    await second
+    assert (await q.dequeue_many(2)).tolist() == [10, 11]
+    assert await client.commands.zcard(prefix + "lease") == 0
+    assert int(await client.commands.hget(prefix + "meta", "w")) == 0
+
+
+async def _two_pending_enqueues(q):
+    return (await q.stats()).pending_enqueues == 2

@@ -42,27 +42,16 @@ do
     local bk = P .. 'b:' .. prev
     redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
   end
-  local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x', 'cap')
+  local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
   local items = P .. 'items'
   local lease = P .. 'lease'
   -- w counts the attempts pending and the leases of held deliveries together
   local quiet = (tonumber(M[3]) or 0) == 0
-  -- A second case: one enqueue waits for room (a full queue whose producer is ahead,
-  -- as a PS shard's gradient queue): 'e|<id>' alone in ew, no dequeue waiting, no lease
-  -- run out. A dequeue of one plain element then takes it and admits the waiting
-  -- enqueue's one remaining element, as the full script's flush would.
-  local admit
-  if not quiet and id and redis.call('LLEN', P .. 'dw') == 0 then
-    local ew = redis.call('LRANGE', P .. 'ew', 0, 1)
-    if #ew <= 1 and #redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms(), 'LIMIT', 0, 1) == 0 then
-      if #ew == 0 then
-        quiet = true
-      elseif n == 1 and (tonumber(M[4]) or 0) == 0 and string.sub(ew[1], 1, 2) == 'e|' then
-        admit = ew[1]
-      end
-    end
+  if not quiet and id and redis.call('LLEN', P .. 'dw') == 0
+      and redis.call('LLEN', P .. 'ew') == 0 then
+    quiet = #redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms(), 'LIMIT', 0, 1) == 0
   end
-  if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and (quiet or admit)
+  if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and quiet
       and (acked == '0' or n == 1) and n >= 1 and n <= 500
       and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
@@ -70,35 +59,7 @@ do
     local len
     if x == 0 and n == 1 then
       -- one plain element: moved into the delivery record in one call
-      local v
-      if admit then
-        local eid = string.sub(admit, 3)
-        local pk = P .. 'a:' .. eid .. ':p'
-        local cap = tonumber(M[5]) or -1
-        if cap >= 1 and redis.call('LLEN', pk) == 1 and redis.call('LLEN', items) <= cap then
-          v = redis.call('LMOVE', items, hk, 'LEFT', 'RIGHT')
-          local e = v and redis.call('LMOVE', pk, items, 'LEFT', 'RIGHT')
-          local b1, b2, b3
-          if e then b1, b2, b3 = string.byte(e, 1, 3) end
-          if e and b1 == 81 and b2 == 66 and b3 == 124 then
-            -- a batch entry ('QB|'): the full script counts and splits its rows
-            redis.call('LMOVE', items, pk, 'RIGHT', 'LEFT')
-            redis.call('LMOVE', hk, items, 'RIGHT', 'LEFT')
-            v = nil
-          elseif e then  -- finish_enq (queue_common.lua): its lease, outcome and token
-            local ek = P .. 'a:' .. eid
-            redis.call('LPOP', P .. 'ew')
-            local gone = redis.call('ZREM', lease, admit)
-            if gone > 0 then redis.call('HINCRBY', KEYS[1], 'w', -gone) end
-            redis.call('SET', ek .. ':s', 'ok', 'PX', 60000)  -- RECORD_MS
-            redis.call('RPUSH', ek .. ':w', 1)
-            redis.call('PEXPIRE', ek .. ':w', 60000)
-            redis.call('HINCRBY', KEYS[1], 'enq', '1')
-          end
-        end
-      else
-        v = redis.call('LMOVE', items, hk, 'LEFT', 'RIGHT')
-      end
+      local v = redis.call('LMOVE', items, hk, 'LEFT', 'RIGHT')
       if v and acked == '1' then
         redis.call('ZADD', lease, now_ms() + tonumber(ms), 'r|' .. id)
         redis.call('HINCRBY', KEYS[1], 'w', '1')
@@ -110,7 +71,7 @@ do
         redis.call('HINCRBY', KEYS[1], 'deq', '1')
         return woken({'ok', {v}})
       end
-      len = admit and -1 or 0  -- not admitted: nothing changed, the full script serves
+      len = 0
     else
       len = redis.call('LLEN', items)
     end
