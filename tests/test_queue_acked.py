@@ -320,8 +320,8 @@ async def test_reclaim_puts_back_what_consumers_hold_in_order(make_client):
     assert await q.reclaim() == 0 and await q.size() == 0
 
 
-async def _pending_enqueues(q):
-    return (await q.stats()).pending_enqueues
+async def _pending_enqueues(q, n=1):
+    return (await q.stats()).pending_enqueues == n
 
 
 @pytest.mark.parametrize("acked", [False, True])
@@ -386,7 +386,7 @@ async def test_waiting_enqueues_are_admitted_one_per_dequeue_in_order(client):
     first = asyncio.ensure_future(q.enqueue(I64(10)))
     await until(lambda: _pending_enqueues(q))
     second = asyncio.ensure_future(q.enqueue(I64(11)))
-    await until(lambda: _two_pending_enqueues(q))
+    await until(lambda: _pending_enqueues(q, 2))
     assert int(await q.dequeue()) == 0
     await first
     s = await q.stats()
@@ -396,7 +396,3 @@ async def test_waiting_enqueues_are_admitted_one_per_dequeue_in_order(client):
     assert (await q.dequeue_many(2)).tolist() == [10, 11]
     assert await client.commands.zcard(prefix + "lease") == 0
     assert int(await client.commands.hget(prefix + "meta", "w")) == 0
-
-
-async def _two_pending_enqueues(q):
-    return (await q.stats()).pending_enqueues == 2

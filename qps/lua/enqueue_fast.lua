@@ -97,7 +97,7 @@ do
           redis.call('PERSIST', P .. 'b:' .. bid .. ':u')
           redis.call('HINCRBY', KEYS[1], 'x', count - 1)
         end
-        redis.call('HINCRBY', KEYS[1], 'enq', count == 1 and '1' or count)
+        redis.call('HINCRBY', KEYS[1], 'enq', count)
         return {'ok'}
       end
     end

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -187,14 +188,11 @@ def _quick_codec(spec: QueueSpec, fixed: bool) -> _Quick | None:
     if dtype.kind not in "iuf" or not dtype.isnative:
         return None
     shape = tuple(int(d) for d in spec.shapes[0])  # type: ignore[arg-type]
-    sample = np.zeros(shape, dtype)
-    if sample.nbytes > QUICK_MAX_BYTES:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > QUICK_MAX_BYTES:
         return None
-    blob = wire.encode([sample])
-    header = blob[: len(blob) - sample.nbytes]
-    if blob != header + sample.tobytes():  # a layout with padding or trailing bytes
-        return None
-    return _Quick(dtype, shape, header, len(blob))
+    header = wire.header_bytes([dtype], [shape])  # one buffer: nothing pads it
+    return _Quick(dtype, shape, header, len(header) + nbytes)
 
 
 class QueueBase:
