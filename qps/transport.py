@@ -551,7 +551,7 @@ class Client:
             with map_errors():
                 await asyncio.shield(wait)
             reply = await self.run_script(name, keys, args)
-            return (reply, await self.run_commands(after)) if after else reply
+            return (reply, await self.run_commands_replies(after)) if after else reply
         script = self._script(name)
         with map_errors():
             pipe = self.blocking.pipeline(transaction=False)
@@ -564,7 +564,7 @@ class Client:
         elif isinstance(reply, Exception):
             with map_errors():
                 raise reply
-        return (reply, await self.run_commands(after)) if after else reply
+        return (reply, await self.run_commands_replies(after)) if after else reply
 
     async def run_script_then_commands(
         self,

@@ -612,11 +612,22 @@ async def _read_current(variables: Sequence[Variable]) -> list[VariableValue | N
     """
     client = variables[0]._client
     assert client is not None
+    return _current_values(variables, await client.run_transaction(_current_commands(variables)))
+
+
+def _current_commands(variables: Sequence[Variable]) -> list[tuple[Any, ...]]:
+    """The commands of :func:`_read_current`, to run inside one ``MULTI``/``EXEC``."""
     commands: list[tuple[Any, ...]] = []
     for v in variables:
         commands.append((b"HMGET", v._meta, b"ver", b"curver"))
         commands.append((b"GET", v._prefix + "cur"))
-    replies = await client.run_transaction(commands)
+    return commands
+
+
+def _current_values(
+    variables: Sequence[Variable], replies: Sequence[Any]
+) -> list[VariableValue | None]:
+    """The values of :func:`_read_current` from the replies of its commands."""
     out: list[VariableValue | None] = []
     for k, v in enumerate(variables):
         (ver, curver), data = replies[2 * k], replies[2 * k + 1]
@@ -625,6 +636,53 @@ async def _read_current(variables: Sequence[Variable]) -> list[VariableValue | N
         ok = data is not None and curver == ver and len(data) == v.nbytes
         out.append(VariableValue(v._array(data), _int(ver)) if ok else None)
     return out
+
+
+class ReadPlan:
+    """A read of several small variables of one client on a single server, as plain
+    commands that a caller sends in a round trip of its own (e.g. after a dequeue, to
+    read the parameters the moment a token arrives: :meth:`qps.queues.FIFOQueue.dequeue_then`).
+
+    :attr:`commands` are one ``MULTI``/``EXEC`` (an exact snapshot of all of them);
+    :meth:`values` turns their replies into the values, or None when a copy was not
+    current (written by an older qps) or a reply was an error: then read them again
+    with :func:`read_many`."""
+
+    def __init__(self, variables: Sequence[Variable]) -> None:
+        self.variables = list(variables)
+        self.commands: list[tuple[Any, ...]] = [
+            (b"MULTI",),
+            *_current_commands(self.variables),
+            (b"EXEC",),
+        ]
+
+    def values(self, replies: Sequence[Any]) -> list[VariableValue] | None:
+        """The values from the replies to :attr:`commands` (all of them, in order).
+
+        Raises:
+            NotFoundError: a variable was deleted (its container reset).
+        """
+        done = replies[-1] if len(replies) == len(self.commands) else None
+        if not isinstance(done, list) or len(done) != 2 * len(self.variables):
+            return None
+        if any(isinstance(r, BaseException) for r in (*replies, *done)):
+            return None
+        try:
+            got = _current_values(self.variables, done)
+        except (TypeError, ValueError):  # not the replies of these commands
+            return None
+        return None if any(v is None for v in got) else [v for v in got if v is not None]
+
+
+def read_plan(variables: Sequence[Variable]) -> ReadPlan | None:
+    """A :class:`ReadPlan` for ``variables``, or None where :func:`read_many` must read
+    them: one not opened or not small, several clients, or a Redis Cluster."""
+    if not variables or not all(v._opened and v.small for v in variables):
+        return None
+    client = variables[0]._client
+    if client is None or client.cluster or not all(v._client is client for v in variables):
+        return None
+    return ReadPlan(variables)
 
 
 # -- the variable ----------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from qps.errors import (
 from qps.ps import control
 from qps.queues.base import Delivery
 from qps.queues.waiters import LEASE_MS
+from qps.variables import ReadPlan
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
 from workers.models import Model, Rows, build_model, grads_to_host
@@ -274,6 +275,8 @@ class Worker:
         self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
         self.curves: curves.ScalarWriter | None = None
         self._stale_seen: dict[int, int] = {}  # staleness histogram at the last curve point
+        self._plan: ReadPlan | None = None  # sync: the pull sent with each token wait
+        self._plan_tried = False
 
     # -- set-up ------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -431,19 +434,22 @@ class Worker:
                         sess.client, cfg.container, cfg.name, step, cfg.max_staleness, self.names
                     )
                 if newer is not None:  # synchronous: tokens that piled up, sought meanwhile
-                    pulled, latest = await asyncio.gather(self._pull(batch), newer)
+                    if pulled is None:
+                        pulled, latest = await asyncio.gather(self._pull(batch), newer)
+                    else:
+                        latest = await newer
                     newer = None
                     if latest > local_step:  # our gradient was stale: go on from the newest
                         local_step = latest  # update, with parameters read after it
                         pulled = await self._pull(batch)
-                elif pulled is None or self.sparse or sync is not None:
+                elif pulled is None or self.sparse:
                     pulled = await self._pull(batch)
                 params, versions = pulled
                 if sync is not None:  # push for update local_step, then wait for it
                     assert tokens is not None
                     loss, grads = await self._compute(params, batch)
                     await self._push(grads, local_step, versions)
-                    token = await self._token(tokens, sync[0])
+                    token, more, pulled = await self._token(tokens, sync[0])
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
                         await source.used()
@@ -452,7 +458,8 @@ class Worker:
                         res.examples += int(batch[-1].shape[0])
                         break
                     local_step = token
-                    newer = asyncio.ensure_future(self._newest_token(tokens, token))
+                    if more != 0:  # tokens wait after it (or their count is unknown)
+                        newer = asyncio.ensure_future(self._newest_token(tokens, token))
                 elif self.sparse:  # the next batch's rows are pulled with it
                     loss, grads = await self._compute(params, batch)
                     await self._push(grads, step, versions)
@@ -554,21 +561,49 @@ class Worker:
         got = await job.stop_requested(self.sess.client, self.cfg.container)
         return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
 
-    async def _token(self, tokens: Any, replicas: int) -> int | None:
+    async def _token(
+        self, tokens: Any, replicas: int
+    ) -> tuple[int | None, int | None, tuple[dict[str, Any], dict[str, int]] | None]:
         """Synchronous training: block for this worker's next token (the global step
         after the update its gradient went to, or a later one if it was dropped as
         stale). None when it cannot come: fewer than ``replicas`` workers are still
-        running (the others are done), or the job is finished."""
+        running (the others are done), or the job is finished.
+
+        With the token come, in the same round trip (:meth:`FIFOQueue.dequeue_then`),
+        the number of tokens still waiting (None if unknown) and the parameters read
+        the moment it was taken (the update it names is committed by then), or None
+        where they cannot be read that way (sparse models, large variables, a cluster):
+        the step pulls them itself."""
         cfg, client = self.cfg, self.sess.client
+        if not self._plan_tried and self.dense and not self.sparse:
+            self._plan = await self.sess.ps.pull_plan(self.dense)
+            self._plan_tried = True
+        plan = self._plan
+        size = tokens.size_commands()
+        then = [*size, *(plan.commands if plan is not None else ())]
         while True:
             try:
-                return int(await tokens.dequeue(timeout=job.WAKE_SECONDS))
+                value, replies = await tokens.dequeue_then(then, timeout=job.WAKE_SECONDS)
             except DeadlineExceededError:
                 done = await job.finished_workers(client, cfg.container)
                 if cfg.num_workers - len(done - {cfg.name}) < replicas:
-                    return None
+                    return None, None, None
                 if await control.is_finished(client, cfg.container) or self.stop.is_set():
-                    return None
+                    return None, None, None
+                continue
+            if not replies:
+                return int(value), None, None
+            more = tokens.size_of(replies[: len(size)])
+            pulled = None
+            if plan is not None:
+                got = self.sess.ps.pulled(plan, replies[len(size) :])
+                if got is not None:
+                    params = {name: val.value for name, val in got.items()}
+                    versions = {name: val.version for name, val in got.items()}
+                    # no round trip of its own: it rode with the token
+                    self.metrics.pulled(time.perf_counter(), params.values())
+                    pulled = (params, versions)
+            return int(value), more, pulled
 
     @staticmethod
     async def _newest_token(tokens: Any, got: int) -> int:

@@ -33,7 +33,14 @@ from qps.ps import control
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
 from qps.transport import Client
-from qps.variables import Variable, VariableValue, open_variable, read_many
+from qps.variables import (
+    ReadPlan,
+    Variable,
+    VariableValue,
+    open_variable,
+    read_many,
+    read_plan,
+)
 
 __all__ = ["PSClient", "default_worker"]
 
@@ -125,6 +132,30 @@ class PSClient:
             self._seen[var.name] = val.version
             out[var.name] = val
         return values[0] if single else out
+
+    async def pull_plan(self, variables: Any) -> ReadPlan | None:
+        """A :meth:`pull` of ``variables`` (a list) as plain commands that the caller sends
+        in a round trip of its own (:meth:`qps.queues.FIFOQueue.dequeue_then`); read the
+        replies with :meth:`pulled`. None where the variables cannot be read that way
+        (large ones, a Redis Cluster): use :meth:`pull`.
+
+        Raises:
+            NotFoundError: an unknown variable.
+        """
+        return read_plan([await self.variable(v) for v in variables])
+
+    def pulled(self, plan: ReadPlan, replies: list[Any]) -> dict[str, VariableValue] | None:
+        """The values of a :meth:`pull_plan`'s replies, as :meth:`pull` returns them for
+        a list (the versions are remembered for :meth:`push`); None if they cannot be
+        used (see :meth:`qps.variables.ReadPlan.values`): :meth:`pull` then."""
+        values = plan.values(replies)
+        if values is None:
+            return None
+        out = {}
+        for var, val in zip(plan.variables, values):
+            self._seen[var.name] = val.version
+            out[var.name] = val
+        return out
 
     async def pull_rows(self, variable: Any, ids: Any) -> VariableValue:
         """Rows ``ids`` of a variable and the version they were read at (see

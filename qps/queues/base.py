@@ -800,17 +800,23 @@ class QueueBase:
         timeout: float | None,
         nowait: bool,
         acked: _Tokens | None = None,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
     ) -> list[np.ndarray]:
         """Take ``n`` good elements (fewer for a closed ``upto``) and return their
         components: one element's for mode ``one``, else stacked into batch arrays.
 
         ``acked``: an acknowledged dequeue; the ids of the attempts that delivered the
         elements are appended to it (see :meth:`dequeue_acked`). If this call fails,
-        whatever it had taken goes back to the front."""
+        whatever it had taken goes back to the front. ``then``: plain commands run
+        after the attempt that delivers, in its round trip; their replies go to
+        ``then_out`` (see :meth:`dequeue_then`)."""
         client = await self._c()
         got: list[list[np.ndarray]] = []
         try:
-            return await self._take_attempts(client, got, n, mode, timeout, nowait, acked)
+            return await self._take_attempts(
+                client, got, n, mode, timeout, nowait, acked, then, then_out
+            )
         except BaseException:
             if acked:
                 await asyncio.shield(self._settle("nack", client, acked))
@@ -827,6 +833,8 @@ class QueueBase:
         timeout: float | None,
         nowait: bool,
         acked: _Tokens | None,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
     ) -> list[np.ndarray]:
         flag = "A" if acked is not None else ""
         # A list queue's delivery of one whole batch buffer takes the buffer along
@@ -852,11 +860,15 @@ class QueueBase:
                 timeout,
                 "dequeue",
                 may_wait=not nowait,
-                after=((b"GET", f"{self._prefix}b:{aid}"),) if handed else (),
+                after=(*(((b"GET", f"{self._prefix}b:{aid}"),) if handed else ()), *then),
                 sink=sink,
             )
             status = reply[0]
             if status == b"ok":
+                if then_out is not None:  # the replies to `then`, if they came with this
+                    lead = int(handed)
+                    then_out[:] = sink[lead:] if len(sink) == lead + len(then) else []
+                    del sink[lead:]
                 stored = reply[1]
                 blobs = self._strip_keys(stored)
                 if acked is not None:
@@ -1015,6 +1027,27 @@ class QueueBase:
             DeadlineExceededError: ``timeout`` passed; the queue is unchanged.
         """
         return self._format(await self._take(1, "one", timeout, False))
+
+    async def dequeue_then(
+        self, commands: Sequence[Sequence[Any]], *, timeout: float | None = None
+    ) -> tuple[Element, list[Any]]:
+        """:meth:`dequeue`, then plain Redis ``commands`` sent in the same round trip and
+        run by the server right after the element is taken: a caller that blocks for an
+        element and then reads something (a worker waiting for its sync token, then
+        reading the parameters the token says are ready) saves a round trip.
+
+        Returns the element and the commands' replies (an error reply in its place, not
+        raised), or an empty list when they did not run with the attempt that delivered
+        (e.g. a script had to be loaded first): then run them yourself. The commands
+        must not block and must not touch this queue's keys; they may run more than
+        once (after each wait of a blocked call), so they should only read.
+
+        Raises:
+            as :meth:`dequeue`.
+        """
+        out: list[Any] = []
+        value = await self._take(1, "one", timeout, False, then=list(commands), then_out=out)
+        return self._format(value), out
 
     async def dequeue_nowait(self) -> Element:
         """:meth:`dequeue` that never waits.
@@ -1243,6 +1276,28 @@ class QueueBase:
             pipe.hget(self._keys[0], "x")
             entries, extra = await pipe.execute()
             return int(entries) + int(extra or 0)
+
+    def size_commands(self) -> list[tuple[Any, ...]]:
+        """:meth:`size` as plain commands (one ``MULTI``/``EXEC``) for a round trip of the
+        caller's own (:meth:`dequeue_then`); :meth:`size_of` reads their replies."""
+        if self._spec.kind == "shuffle":
+            reads: list[tuple[Any, ...]] = [(b"HGET", self._keys[0], b"n")]
+        elif self._spec.kind == "priority":
+            reads = [(b"ZCARD", self._keys[1])]
+        else:  # LLEN items + x (batch entries' rows beyond one each), read atomically
+            reads = [(b"LLEN", self._keys[1]), (b"HGET", self._keys[0], b"x")]
+        return [(b"MULTI",), *reads, (b"EXEC",)]
+
+    def size_of(self, replies: Sequence[Any]) -> int | None:
+        """The size from the replies to :meth:`size_commands` (all of them, in order);
+        None if they are not usable (an error reply)."""
+        done = replies[-1] if replies else None
+        if not isinstance(done, list) or not done:
+            return None
+        try:
+            return sum(int(r or 0) for r in done)
+        except (TypeError, ValueError):
+            return None
 
     async def stats(self) -> QueueStats:
         """A snapshot of the queue; changes nothing."""

@@ -1,0 +1,138 @@
+"""``dequeue_then``: plain commands that ride with a dequeue and run right after the
+element is taken (a sync worker's token wait and parameter read in one round trip), and
+the size and variable reads built for it (``size_commands``, ``ReadPlan``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import qps
+from qps.ps import control
+from qps.ps.client import PSClient
+from qps.variables import read_plan
+from tests.conftest import until
+
+
+def _pending_dequeues(q: qps.FIFOQueue, n: int):
+    async def check() -> bool:
+        return (await q.stats()).pending_dequeues == n
+
+    return check
+
+
+async def test_commands_run_after_the_element_is_taken(client):
+    q = qps.FIFOQueue(10, np.int64, shapes=[[]], client=client)
+    await q.enqueue_many(np.array([5, 6, 7], np.int64))
+    value, replies = await q.dequeue_then(q.size_commands())
+    assert int(value) == 5
+    assert q.size_of(replies) == 2 == await q.size()  # read after the take
+    value, replies = await q.dequeue_then([])
+    assert (int(value), replies) == (6, [])
+
+
+async def test_a_blocked_dequeue_reads_after_the_wake(make_client):
+    a, b = await make_client(), await make_client()
+    qa = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="tokens", client=a)
+    qb = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="tokens", client=b)
+    waiter = asyncio.create_task(qa.dequeue_then(qa.size_commands(), timeout=20))
+    await until(_pending_dequeues(qb, 1))
+    await qb.enqueue_many(np.array([1, 2, 3], np.int64))  # one for it, two left
+    value, replies = await waiter
+    assert int(value) == 1
+    assert qa.size_of(replies) == 2
+    assert [int(v) for v in await qb.dequeue_many(2)] == [2, 3]
+    assert (await qb.stats()).pending_dequeues == 0
+
+
+async def test_an_error_reply_comes_in_place_and_the_element_is_kept(client):
+    q = qps.FIFOQueue(10, np.int64, shapes=[[]], client=client)
+    await q.enqueue_many(np.array([1, 2], np.int64))
+    wrong = (b"LLEN", q._keys[0])  # the meta hash: WRONGTYPE
+    value, replies = await q.dequeue_then([wrong, *q.size_commands()])
+    assert int(value) == 1
+    assert isinstance(replies[0], Exception)
+    assert q.size_of(replies[1:]) == 1
+    assert q.size_of([replies[0]]) is None and q.size_of([]) is None
+    assert int(await q.dequeue()) == 2
+
+
+async def test_a_timed_out_dequeue_then_changes_nothing(client):
+    q = qps.FIFOQueue(10, np.int64, shapes=[[]], client=client)
+    with pytest.raises(qps.errors.DeadlineExceededError):
+        await q.dequeue_then(q.size_commands(), timeout=0.2)
+    s = await q.stats()
+    assert (s.size, s.pending_dequeues) == (0, 0)
+    await q.enqueue(np.int64(9))
+    assert int(await q.dequeue()) == 9
+
+
+@pytest.mark.parametrize("kind", ["fifo", "shuffle", "priority", "padding"])
+async def test_size_commands_agree_with_size(client, kind):
+    if kind == "shuffle":
+        q = qps.RandomShuffleQueue(20, 0, np.int64, shapes=[[]], seed=1, client=client)
+        await q.enqueue_many(np.arange(6, dtype=np.int64))
+    elif kind == "priority":
+        q = qps.PriorityQueue(20, np.int64, shapes=[[]], client=client)
+        await q.enqueue_many((np.arange(6, dtype=np.int64), np.arange(6, dtype=np.int64)))
+    elif kind == "padding":
+        q = qps.PaddingFIFOQueue(20, np.int64, shapes=[[None]], client=client)
+        await q.enqueue_many(np.zeros((6, 3), np.int64))
+    else:
+        q = qps.FIFOQueue(20, np.int64, shapes=[[]], client=client)
+        await q.enqueue_many(np.arange(6, dtype=np.int64))
+    _, replies = await q.dequeue_then(q.size_commands())
+    assert q.size_of(replies) == await q.size() == 5
+
+
+@pytest.mark.no_cluster(reason="a read plan is for a single server (read_plan gives None)")
+async def test_a_read_plan_reads_what_pull_reads(client):
+    w = await qps.Variable("w", (2, 3), np.float32, initializer="ones", client=client).create()
+    b = await qps.Variable("b", (3,), np.float32, client=client).create()
+    ps = PSClient(client, qps.keys.DEFAULT_CONTAINER)
+    plan = await ps.pull_plan(["w", "b"])
+    assert plan is not None
+    got = ps.pulled(plan, await client.run_commands_replies(plan.commands))
+    assert got is not None
+    want = await ps.pull(["w", "b"])
+    for name in ("w", "b"):
+        assert np.array_equal(got[name].value, want[name].value)
+        assert got[name].version == want[name].version
+    # a commit moves the version; the plan's next read sees it
+    await w.publish(np.full((2, 3), 2.0, np.float32), got["w"].version + 1, 0)
+    again = ps.pulled(plan, await client.run_commands_replies(plan.commands))
+    assert again is not None and again["w"].version == got["w"].version + 1
+    assert again["w"].value.tolist() == [[2.0] * 3] * 2
+    # replies that are not the plan's give None (pull then), never a wrong value
+    assert plan.values([]) is None
+    assert plan.values([b"OK", *[b"QUEUED"] * 4, [None, None, None, None]]) is None
+    assert read_plan([]) is None and read_plan([b]) is not None
+
+
+@pytest.mark.no_cluster(reason="the plan reads variables of another slot than the queue's")
+async def test_a_token_and_the_parameters_in_one_round_trip(make_client):
+    """What a synchronous worker does: block for its token and read the parameters the
+    moment it is taken; the read sees the commit made before the token was given."""
+    a, b = await make_client(), await make_client()
+    w = await qps.Variable("w", (4,), np.float32, client=a).create()
+    shard_w = await qps.Variable("w", (4,), np.float32, client=b).create()
+    ps = PSClient(a, qps.keys.DEFAULT_CONTAINER)
+    plan = await ps.pull_plan(["w"])
+    assert plan is not None
+    tokens_a = control.token_queue(a, qps.keys.DEFAULT_CONTAINER, 0)
+    tokens_b = control.token_queue(b, qps.keys.DEFAULT_CONTAINER, 0)
+    waiter = asyncio.create_task(
+        tokens_a.dequeue_then([*tokens_a.size_commands(), *plan.commands], timeout=20)
+    )
+    await until(_pending_dequeues(tokens_b, 1))
+    await shard_w.publish(np.full(4, 3.0, np.float32), 1, 0)
+    await tokens_b.enqueue(np.int64(1))
+    token, replies = await waiter
+    assert int(token) == 1
+    n = len(tokens_a.size_commands())
+    assert tokens_a.size_of(replies[:n]) == 0
+    got = ps.pulled(plan, replies[n:])
+    assert got is not None and got["w"].value.tolist() == [3.0] * 4
+    assert got["w"].version == (await w.read()).version
