@@ -69,7 +69,7 @@ async def crash_shard(url: str, container: str, when: str) -> None:
     async def commit_group(g: Any) -> None:
         if when == "before-ack":
             await real(g)
-        print(f"killing myself {when} a group of {len(g.deliveries)} message(s)", flush=True)
+        print(f"killing myself {when} a group of {g.messages} message(s)", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     shard._commit_group = commit_group  # type: ignore[method-assign]

@@ -275,6 +275,41 @@ async def test_a_zombie_cannot_write_after_a_new_owner_fenced(job: Job) -> None:
     assert (await sess.pull("w")).value.tolist() == [-1.0]
 
 
+async def test_a_shard_behind_takes_what_waits_in_one_delivery(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages that piled up before the shard started come in deliveries of several
+    (one attempt each, settled once): every one is applied exactly once, in order, and
+    the queue keeps nothing held afterwards."""
+    taken: list[int] = []
+    real = queue_base.QueueBase.dequeue_ready_acked
+
+    async def spy(self: Any, n: int, **kw: Any) -> Any:
+        d, replies = await real(self, n, **kw)
+        taken.append(len(d.value))
+        return d, replies
+
+    monkeypatch.setattr(queue_base.QueueBase, "dequeue_ready_acked", spy)
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    w = sess.variable("w", (2,), np.float64, initializer="zeros")
+    await w.create()
+    for step in range(7):  # the queue holds 8: nobody waits
+        await sess.push({w: np.array([1.0, 10.0**step])}, step=step)
+    await job.shard(max_group=4)
+    await _steps(sess, 7)
+    assert (await sess.pull(w)).value.tolist() == [-7.0, -1111111.0]
+    assert taken and max(taken) > 1 and sum(taken) <= 6  # the first one comes alone
+    q = control.gradient_queue(sess.client, C, 0)
+    await until(lambda: _none_held(q))
+    st = await control.shard_status(sess.client, C, 0)
+    assert (st.applied, st.skipped, st.dead_letters) == (7, 0, 0)
+
+
+async def _none_held(q: Any) -> bool:
+    return await q.size() == 0 and await q.held() <= 1  # the reader's next wait
+
+
 async def test_bad_messages_are_dead_lettered_never_applied(job: Job) -> None:
     sess = await job.session()
     await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))

@@ -136,3 +136,45 @@ async def test_a_token_and_the_parameters_in_one_round_trip(make_client):
     got = ps.pulled(plan, replies[n:])
     assert got is not None and got["w"].value.tolist() == [3.0] * 4
     assert got["w"].version == (await w.read()).version
+
+
+# -- several elements in one acknowledged attempt (a PS shard that fell behind) -----------
+
+
+def _raw_queue(client, name="grads"):
+    return qps.FIFOQueue(10, [np.uint8], shared_name=name, client=client)  # no shapes
+
+
+async def test_ready_acked_takes_what_is_there_in_one_delivery(client):
+    q = _raw_queue(client)
+    msgs = [np.frombuffer(bytes([k]) * (k + 1), np.uint8) for k in range(5)]
+    for m in msgs:
+        await q.enqueue(m)
+    d, replies = await q.dequeue_ready_acked(3, then=q.size_commands())
+    assert [v.tobytes() for v in d.value] == [m.tobytes() for m in msgs[:3]]
+    assert len(d.tokens) == 1 and q.size_of(replies) == 2 == await q.size()
+    await q.nack(d)  # all three back at the front, in order
+    d, _ = await q.dequeue_ready_acked(8)  # fewer there than asked: what there is
+    assert [v.tobytes() for v in d.value] == [m.tobytes() for m in msgs]
+    await q.ack(d)
+    s = await q.stats()
+    assert (s.size, s.dequeued_total) == (0, 5)
+    with pytest.raises(qps.errors.WouldBlockError):
+        await q.dequeue_ready_acked(2)
+    assert (await q.stats()).pending_dequeues == 0
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(qps.errors.InvalidArgumentError):
+            await q.dequeue_ready_acked(bad)
+    await q.close()
+    with pytest.raises(qps.errors.OutOfRangeError):
+        await q.dequeue_ready_acked(2)
+
+
+async def test_acked_then_reads_after_the_take_and_keeps_the_lease(client):
+    q = _raw_queue(client)
+    await q.enqueue(np.arange(3, dtype=np.uint8))
+    await q.enqueue(np.arange(4, dtype=np.uint8))
+    d, replies = await q.dequeue_acked_then(q.size_commands())
+    assert d.value.tolist() == [0, 1, 2] and q.size_of(replies) == 1
+    await q.nack(d)
+    assert (await q.dequeue()).tolist() == [0, 1, 2]  # it went back to the front

@@ -69,6 +69,7 @@ from qps.errors import (
     NotFoundError,
     OutOfRangeError,
     QpsError,
+    WouldBlockError,
 )
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
@@ -241,6 +242,8 @@ class _Item:
     error: str = ""
     nbytes: int = 0
     oversize: bool = False  # over the job's max_message_bytes (error says so)
+    shared: bool = False  # its delivery holds other messages too (settled with them)
+    raw: Any = None  # the message as delivered (a dead letter keeps its bytes)
     about: GradientMessage | None = None  # an oversize message's provenance, if it decodes
 
 
@@ -262,6 +265,11 @@ class _Inbox:
 
     def full(self) -> bool:
         return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
+
+    def room(self, each: int) -> int:
+        """How many more items of about ``each`` bytes fit (at least one unless full)."""
+        by_bytes = (self._max_bytes - self.nbytes) // max(each, 1)
+        return max(0, min(self._max_items - len(self.items), max(by_bytes, 1)))
 
     def put(self, item: _Item) -> None:
         self.items.append(item)
@@ -325,6 +333,7 @@ class _Group:
     """Messages applied together and committed once per variable."""
 
     deliveries: list[Delivery] = field(default_factory=list)
+    messages: int = 0  # taken into the group (a delivery may hold several)
     nbytes: int = 0  # bytes of the deliveries
     ids: set[str] = field(default_factory=set)
     vars: dict[str, _Pending] = field(default_factory=dict)
@@ -341,7 +350,7 @@ class _Group:
     started: float = field(default_factory=time.perf_counter)  # qps_ps_apply_seconds
 
     def full(self, max_items: int, max_bytes: int) -> bool:
-        return len(self.deliveries) >= max_items or self.nbytes >= max_bytes
+        return self.messages >= max_items or self.nbytes >= max_bytes
 
 
 @dataclass
@@ -742,8 +751,10 @@ class Shard:
             fetcher.cancel()
             toucher.cancel()
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
-            left = [it.delivery for it in self._acc.items if it.delivery is not None]
-            left += [it.delivery for it in inbox.items if it.delivery is not None]
+            left: list[Delivery] = []
+            for it in (*self._acc.items, *inbox.items):  # each delivery once, in order
+                if it.delivery is not None and not any(d is it.delivery for d in left):
+                    left.append(it.delivery)
             inbox.items.clear()
             self._acc = _Accum()
             if left:  # taken ahead, never applied: back to the front, in order
@@ -753,33 +764,58 @@ class Shard:
     async def _fetch(self, q: QueueBase, inbox: _Inbox) -> None:
         """Take deliveries ahead of the apply (while the inbox has room), decode them and
         put them in the inbox; mark it done when the queue is closed and drained."""
+        # Each take reads the queue's size in its round trip: while messages wait behind
+        # it (the shard fell behind its workers), the next take is one attempt for all
+        # that fit in the inbox (a group's worth), not one per message. Synchronous
+        # training takes one at a time (an update settles each message on its own).
+        size = q.size_commands() if self.sync is None else []
+        more, each = False, 0
         try:
             while True:
                 await inbox.until(lambda: not inbox.full() or self._stop.is_set())
                 if self._stop.is_set():
                     return
-                d = await q.dequeue_acked()
+                room = inbox.room(each) if more else 1
+                if room > 1:
+                    try:
+                        d, replies = await q.dequeue_ready_acked(room, then=size)
+                    except WouldBlockError:
+                        more = False
+                        continue
+                    values = list(d.value)
+                else:
+                    d, replies = await q.dequeue_acked_then(size)
+                    values = [d.value]
+                more = bool(size) and bool(q.size_of(replies))
                 self._held.append(d)
-                item = _Item(d, nbytes=_nbytes(d.value))
-                self._sizes[d.tokens] = item.nbytes  # still counted once its bytes are dropped
-                self.metrics.received(item.nbytes)
-                try:
-                    item.msg = decode_message(d.value)
-                except DataLossError as exc:
-                    item.error = str(exc)
-                if item.nbytes > self._max_message:  # a worker that ignored the limit
-                    item.about, item.msg, item.oversize = item.msg, None, True
-                    item.error = (
-                        f"message of {item.nbytes} bytes is over the job's maximum message "
-                        f"size of {self._max_message} bytes (max_message_bytes)"
-                    )
-                inbox.put(item)
+                items = [self._item(d, v, len(values) > 1) for v in values]
+                each = max(it.nbytes for it in items)
+                # still counted once their bytes are dropped
+                self._sizes[d.tokens] = sum(it.nbytes for it in items)
+                for item in items:  # all at once: a group never sees part of a delivery
+                    inbox.put(item)
         except OutOfRangeError:
             inbox.finish()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the loop, which raises it
             inbox.fail(exc)
+
+    def _item(self, d: Delivery, value: Any, shared: bool) -> _Item:
+        """One message of delivery ``d``, decoded (or with the error that it does not)."""
+        item = _Item(d, nbytes=_nbytes(value), shared=shared, raw=value)
+        self.metrics.received(item.nbytes)
+        try:
+            item.msg = decode_message(value)
+        except DataLossError as exc:
+            item.error = str(exc)
+        if item.nbytes > self._max_message:  # a worker that ignored the limit
+            item.about, item.msg, item.oversize = item.msg, None, True
+            item.error = (
+                f"message of {item.nbytes} bytes is over the job's maximum message "
+                f"size of {self._max_message} bytes (max_message_bytes)"
+            )
+        return item
 
     async def _touch_loop(self, q: QueueBase) -> None:
         """Renew the leases of every delivery held (taken ahead or in the group)."""
@@ -828,11 +864,17 @@ class Shard:
         try:
             while True:
                 batch: list[_Item] = []
-                while inbox.items and not g.full(o.max_group, o.max_group_bytes):
+                # whole deliveries only: one that holds several messages is settled once
+                while inbox.items and (
+                    not g.full(o.max_group, o.max_group_bytes)
+                    or (batch and inbox.items[0].delivery is batch[-1].delivery)
+                ):
                     item = inbox.take()
                     assert item.delivery is not None
                     g.nbytes += item.nbytes
-                    g.deliveries.append(item.delivery)
+                    g.messages += 1
+                    if not batch or item.delivery is not batch[-1].delivery:
+                        g.deliveries.append(item.delivery)
                     batch.append(item)
                 await self._absorb(q, g, batch)
                 batch.clear()
@@ -912,10 +954,12 @@ class Shard:
         if item.oversize:
             await self._dead_letter(item.about, reason, size=item.nbytes)
         else:
-            await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.delivery))
-        if item.delivery is not None and q is not None:
+            await self._dead_letter(item.msg, reason, variable=variable, raw=_raw(item.raw))
+        if item.delivery is not None and q is not None and not item.shared:
             g.deliveries = [d for d in g.deliveries if d is not item.delivery]
             await self._settle(q, [item.delivery], ack=True)
+        # a message taken with others is acked with its group's (should the group fail,
+        # it comes again with them and is dead-lettered again)
 
     async def _check(self, msg: GradientMessage) -> None:
         """Raise _Rejected if ``msg`` must not be applied (NaN and Inf are checked with
@@ -1387,7 +1431,7 @@ class Shard:
             self.log.warning("could not release the ids of a group: %s", exc)
         self.log.debug(
             "group of %d message(s): %d applied, %d skipped; committed %s",
-            len(g.deliveries),
+            g.messages,
             g.fresh,
             g.skipped,
             ", ".join(f"{n} x{len(v.ids)}" for n, v in g.vars.items()) or "-",
@@ -1454,8 +1498,7 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def _raw(delivery: Delivery | None) -> bytes:
-    value = None if delivery is None else delivery.value
+def _raw(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype == np.uint8:
         return value.tobytes()
     return b""

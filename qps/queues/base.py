@@ -802,7 +802,8 @@ class QueueBase:
         acked: _Tokens | None = None,
         then: Sequence[Sequence[Any]] = (),
         then_out: list[Any] | None = None,
-    ) -> list[np.ndarray]:
+        listed: bool = False,
+    ) -> Any:
         """Take ``n`` good elements (fewer for a closed ``upto``) and return their
         components: one element's for mode ``one``, else stacked into batch arrays.
 
@@ -810,12 +811,13 @@ class QueueBase:
         elements are appended to it (see :meth:`dequeue_acked`). If this call fails,
         whatever it had taken goes back to the front. ``then``: plain commands run
         after the attempt that delivers, in its round trip; their replies go to
-        ``then_out`` (see :meth:`dequeue_then`)."""
+        ``then_out`` (see :meth:`dequeue_then`). ``listed``: return the elements as a
+        list (each one's components), not stacked (see :meth:`dequeue_ready_acked`)."""
         client = await self._c()
         got: list[list[np.ndarray]] = []
         try:
             return await self._take_attempts(
-                client, got, n, mode, timeout, nowait, acked, then, then_out
+                client, got, n, mode, timeout, nowait, acked, then, then_out, listed
             )
         except BaseException:
             if acked:
@@ -835,7 +837,8 @@ class QueueBase:
         acked: _Tokens | None,
         then: Sequence[Sequence[Any]] = (),
         then_out: list[Any] | None = None,
-    ) -> list[np.ndarray]:
+        listed: bool = False,
+    ) -> Any:
         flag = "A" if acked is not None else ""
         # A list queue's delivery of one whole batch buffer takes the buffer along
         # (renamed b:<aid>: see hand_over in queue_common.lua), read in the same round
@@ -887,7 +890,7 @@ class QueueBase:
                     )
                 if acked is None:  # read: the next dequeue may drop the record
                     self._forget = aid
-                if self._fixed and len(blobs) > 1 and not got:
+                if self._fixed and len(blobs) > 1 and not got and not listed:
                     assert self._spec.shapes is not None
                     batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes, joined)  # type: ignore[arg-type]
                     if batch is not None:
@@ -897,10 +900,12 @@ class QueueBase:
                 if bad:
                     await self._quarantine(client, bad)
                 if len(got) >= n or (mode == "upto" and got and len(blobs) < need):
+                    if listed:
+                        return list(got)
                     return got[0] if mode == "one" else self._batch(got)
                 continue
             if got and mode == "upto" and status.startswith(b"oor"):
-                return self._batch(got)
+                return list(got) if listed else self._batch(got)
             if got and not acked:
                 await self._give_back(client, got)
                 got.clear()
@@ -1131,6 +1136,49 @@ class QueueBase:
         """
         arrays, tokens = await self._take_acked(1, "one", timeout, False)
         return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
+
+    async def dequeue_acked_then(
+        self, commands: Sequence[Sequence[Any]], *, timeout: float | None = None
+    ) -> tuple[Delivery, list[Any]]:
+        """:meth:`dequeue_acked` with plain ``commands`` run right after the element is
+        taken, in the same round trip, as :meth:`dequeue_then` runs them; returns the
+        delivery and their replies (an empty list if they did not run with it).
+
+        Raises:
+            as :meth:`dequeue`.
+        """
+        tokens = _Tokens()
+        out: list[Any] = []
+        arrays = await self._take(1, "one", timeout, False, tokens, list(commands), out)
+        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs), out
+
+    async def dequeue_ready_acked(
+        self, n: int, *, then: Sequence[Sequence[Any]] = ()
+    ) -> tuple[Delivery, list[Any]]:
+        """At least once (see :meth:`dequeue_acked`), without waiting: up to ``n`` of the
+        elements there now, at least one, in one attempt. The queue needs no shapes:
+        the delivery's ``value`` is the list of the elements, each as :meth:`dequeue`
+        returns it, and one :meth:`ack` (or :meth:`nack`) settles them all. ``then``:
+        as for :meth:`dequeue_acked_then`; returns their replies too.
+
+        A reader that keeps up with its producers takes one element at a time with
+        :meth:`dequeue_acked`; one that falls behind takes what piled up with this, in
+        one round trip and one script call instead of one per element.
+
+        Raises:
+            InvalidArgumentError: ``n < 1``.
+            WouldBlockError: nothing can be taken now; nothing changed.
+            OutOfRangeError: the queue is closed and empty.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InvalidArgumentError(f"dequeue_ready_acked needs a count >= 1, got {n!r}")
+        tokens = _Tokens()
+        out: list[Any] = []
+        got = await self._take(int(n), "upto", None, True, tokens, list(then), out, listed=True)
+        return (
+            Delivery([self._format(e) for e in got], tuple(tokens), not tokens.refs),
+            out,
+        )
 
     async def dequeue_many_acked(self, n: int, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue_many`, at least once (see :meth:`dequeue_acked`)."""
