@@ -51,7 +51,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -1348,14 +1348,16 @@ class Shard:
             await self._settle(q, deliveries, ack=True)
             await self._released(g)
 
-        # The tokens go out while the deliveries are acknowledged: a worker may pull and
-        # push again at once. Should this process die before the ack, the messages come
-        # again and are acked as applied (their ids were committed with the update).
-        await asyncio.gather(settle(), self._sync_tokens(self.sync_step))
+        # The tokens go out first (their writes ahead of the ack's), then the deliveries
+        # are acknowledged: a worker may pull and push again at once. Should this
+        # process die before the ack, the messages come again and are acked as applied
+        # (their ids were committed with the update).
+        await asyncio.gather(*await self._sync_tokens(self.sync_step), settle())
 
-    async def _sync_tokens(self, step: int) -> None:
+    async def _sync_tokens(self, step: int) -> list[Awaitable[None]]:
         """Once every shard holding variables has committed update ``step``, give each
-        worker a token (the new global step): each is blocked on its own token queue."""
+        worker a token (the new global step): each is blocked on its own token queue.
+        Returns the token enqueues to run (none while other shards have not committed)."""
         assert self.sync is not None
         if self._sync_shards is None:  # placed once, at the first push of the job
             placed = await control.read_placement(self.client, self.container)
@@ -1373,8 +1375,8 @@ class Shard:
                 pipe.pexpire(key, 3_600_000)
                 done, _ = await pipe.execute()
             if int(done) != needed:
-                return
-        await asyncio.gather(*(t.enqueue(np.int64(step)) for t in self._tokens))
+                return []
+        return [t.enqueue(np.int64(step)) for t in self._tokens]
 
     async def _advance_global_step(self, ids: list[str]) -> None:
         await self._open_global_step()
