@@ -1044,8 +1044,9 @@ class QueueBase:
         Returns the element and the commands' replies (an error reply in its place, not
         raised), or an empty list when they did not run with the attempt that delivered
         (e.g. a script had to be loaded first): then run them yourself. The commands
-        must not block and must not touch this queue's keys; they may run more than
-        once (after each wait of a blocked call), so they should only read.
+        must only read (this queue's keys too, as :meth:`size_commands` does) and must
+        not block: they run after each wait of a blocked call, not only the last. On a
+        Redis Cluster they go to this queue's node: keys of its slot only.
 
         Raises:
             as :meth:`dequeue`.
