@@ -56,3 +56,55 @@ async def test_sync_config_is_checked(job: Job) -> None:  # noqa: F811
     assert (await control.read_config(s.client, C)).sync == (2, 3)
     with pytest.raises(InvalidArgumentError, match="synchronous 2/3"):
         await control.configure(s.client, C, 1, sync=(3, 3))
+
+
+@pytest.mark.no_cluster(reason="the parameters ride with the token on a single server only")
+async def test_sync_workers_get_the_parameters_with_their_token(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two synchronous workers in one loop: after the first step each reads the
+    parameters in its token's round trip (FIFOQueue.dequeue_then), not with a pull of
+    its own, and trains exactly as many updates as steps."""
+    import asyncio
+
+    import qps
+    from qps.ps.client import PSClient
+    from workers.worker import Worker, WorkerConfig
+
+    pulls: list[str] = []
+    real = PSClient.pull
+
+    async def counted(self: PSClient, variables: object) -> object:
+        pulls.append(self.worker)
+        return await real(self, variables)
+
+    monkeypatch.setattr(PSClient, "pull", counted)
+    client = await job.make_client()
+    await control.configure(client, C, 1, SGD(learning_rate=0.05), sync=(2, 2))
+    await job.shard(0, 1, lease_ms=5000)
+    steps = 12
+
+    async def run(index: int) -> int:
+        sess = qps.Session(client=await job.make_client(), container=C, worker=f"worker{index}")
+        await sess.open()
+        try:
+            cfg = WorkerConfig(
+                index=index, num_workers=2, num_shards=1, model="mlp:64,16,10", data="digits",
+                batch_size=32, steps=steps, container=C, log_every=1000, evaluate=False,
+                finish_job=False,
+            )  # fmt: skip
+            w = Worker(cfg, sess)
+            await w.prepare()
+            res = await w.train()
+            await w.finish()
+            return res.steps
+        finally:
+            await sess.close()
+
+    done = await asyncio.wait_for(asyncio.gather(run(0), run(1)), 120)
+    assert done == [steps, steps]
+    watcher = await job.session("watcher")
+    assert await watcher.global_step() == steps  # one update per pair of gradients
+    # one pull each to start (and one more per stale token, which these do not get)
+    assert sorted(pulls) == ["worker0", "worker1"], pulls
