@@ -878,7 +878,9 @@ class QueueBase:
                     acked.append(aid)
                     acked.refs = acked.refs or any(is_ref(b) for b in blobs)
                 joined = None
-                rows = handed_rows(aid, blobs, sink[0] if sink else None)
+                # the buffer read with the reply (an error in its place: read them anew)
+                data = sink[0] if sink and not isinstance(sink[0], BaseException) else None
+                rows = handed_rows(aid, blobs, data)
                 if rows is not None:
                     blobs, joined = rows
                 elif any(is_ref(b) for b in blobs):
