@@ -304,3 +304,26 @@ async def test_cancelled_consumer_of_a_handed_over_buffer_loses_nothing(make_cli
 
 async def _pending_dequeues(q, n):
     return (await q.stats()).pending_dequeues == n
+
+
+async def test_a_buffer_read_that_failed_with_the_reply_is_read_anew(client, monkeypatch):
+    """A delivery of a whole buffer reads it in the reply's round trip; when that read
+    comes back as an error (in its place, not raised), the rows are read anew."""
+    from qps import transport
+    from qps.errors import InternalError
+
+    q = queue(client)
+    await q.enqueue_many(batch(128))
+    real = transport.Client.run_script_then_commands
+
+    async def broken(self, name, keys, args, after):
+        reply, replies = await real(self, name, keys, args, after)
+        return reply, [InternalError("lost (test)") for _ in replies]
+
+    monkeypatch.setattr(transport.Client, "run_script_then_commands", broken)
+    check(await q.dequeue_many(128), list(range(128)))
+    monkeypatch.undo()
+    assert await q.size() == 0
+    with pytest.raises(WouldBlockError):
+        await q.dequeue_nowait()  # drops the record
+    assert await no_buffers(client)
