@@ -67,7 +67,7 @@ from qps.errors import (
 from qps.ps import control
 from qps.queues.base import Delivery
 from qps.queues.waiters import LEASE_MS
-from qps.variables import ReadPlan
+from qps.variables import ReadPlan, VariableValue
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
 from workers.models import Model, Rows, build_model, grads_to_host
@@ -255,6 +255,13 @@ class _Input:
                     log.warning("%s: could not renew a batch's lease: %s", self.cfg.name, exc)
 
 
+def _split(
+    got: Mapping[str, VariableValue],
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """A pull's name -> (value, version) as a step's parameters and their versions."""
+    return {n: v.value for n, v in got.items()}, {n: v.version for n, v in got.items()}
+
+
 class Worker:
     """One worker process's training loop (use :func:`run_worker`)."""
 
@@ -275,8 +282,6 @@ class Worker:
         self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
         self.curves: curves.ScalarWriter | None = None
         self._stale_seen: dict[int, int] = {}  # staleness histogram at the last curve point
-        self._plan: ReadPlan | None = None  # sync: the pull sent with each token wait
-        self._plan_tried = False
 
     # -- set-up ------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -332,10 +337,7 @@ class Worker:
         params: dict[str, Any] = {}
         versions: dict[str, int] = {}
         if self.dense:
-            got = await self.sess.pull(self.dense)
-            for name, val in got.items():
-                params[name] = val.value
-                versions[name] = val.version
+            params, versions = _split(await self.sess.pull(self.dense))
         if self.sparse:
             needed = self.model.rows_needed(batch)
             rows = await asyncio.gather(*(self.sess.pull_rows(t, needed[t]) for t in self.sparse))
@@ -401,6 +403,12 @@ class Worker:
         tokens = (
             None if sync is None else control.token_queue(sess.client, cfg.container, cfg.index)
         )
+        # synchronous: the dense pull sent with each token wait (None: pull after it)
+        plan = (
+            await sess.ps.pull_plan(self.dense)
+            if sync is not None and self.dense and not self.sparse
+            else None
+        )
         before = (await job.read_statuses(sess.client, cfg.container)).get(cfg.name)
         if before and int(before.get("step") or 0) > 0:
             # an earlier run of this worker in this job (killed, then started again):
@@ -449,7 +457,7 @@ class Worker:
                     assert tokens is not None
                     loss, grads = await self._compute(params, batch)
                     await self._push(grads, local_step, versions)
-                    token, more, pulled = await self._token(tokens, sync[0])
+                    token, more, pulled = await self._token(tokens, sync[0], plan)
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
                         await source.used()
@@ -562,7 +570,7 @@ class Worker:
         return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
 
     async def _token(
-        self, tokens: Any, replicas: int
+        self, tokens: Any, replicas: int, plan: ReadPlan | None
     ) -> tuple[int | None, int | None, tuple[dict[str, Any], dict[str, int]] | None]:
         """Synchronous training: block for this worker's next token (the global step
         after the update its gradient went to, or a later one if it was dropped as
@@ -571,14 +579,10 @@ class Worker:
 
         With the token come, in the same round trip (:meth:`FIFOQueue.dequeue_then`),
         the number of tokens still waiting (None if unknown) and the parameters read
-        the moment it was taken (the update it names is committed by then), or None
-        where they cannot be read that way (sparse models, large variables, a cluster):
-        the step pulls them itself."""
+        the moment it was taken (the update it names is committed by then) by
+        ``plan``, or None without one (sparse models, large variables, a cluster) or
+        when they cannot be used: the step pulls them itself."""
         cfg, client = self.cfg, self.sess.client
-        if not self._plan_tried and self.dense and not self.sparse:
-            self._plan = await self.sess.ps.pull_plan(self.dense)
-            self._plan_tried = True
-        plan = self._plan
         size = tokens.size_commands()
         then = [*size, *(plan.commands if plan is not None else ())]
         while True:
@@ -598,11 +602,9 @@ class Worker:
             if plan is not None:
                 got = self.sess.ps.pulled(plan, replies[len(size) :])
                 if got is not None:
-                    params = {name: val.value for name, val in got.items()}
-                    versions = {name: val.version for name, val in got.items()}
+                    pulled = _split(got)
                     # no round trip of its own: it rode with the token
-                    self.metrics.pulled(time.perf_counter(), params.values())
-                    pulled = (params, versions)
+                    self.metrics.pulled(time.perf_counter(), pulled[0].values())
             return int(value), more, pulled
 
     @staticmethod

@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,10 +127,7 @@ class PSClient:
         items = [variables] if single else list(variables)
         vars_ = [await self.variable(v) for v in items]
         values = await read_many(vars_)
-        out = {}
-        for var, val in zip(vars_, values):
-            self._seen[var.name] = val.version
-            out[var.name] = val
+        out = self._remember(vars_, values)
         return values[0] if single else out
 
     async def pull_plan(self, variables: Any) -> ReadPlan | None:
@@ -149,10 +146,14 @@ class PSClient:
         a list (the versions are remembered for :meth:`push`); None if they cannot be
         used (see :meth:`qps.variables.ReadPlan.values`): :meth:`pull` then."""
         values = plan.values(replies)
-        if values is None:
-            return None
+        return None if values is None else self._remember(plan.variables, values)
+
+    def _remember(
+        self, vars_: Sequence[Variable], values: Sequence[VariableValue]
+    ) -> dict[str, VariableValue]:
+        """name -> value of a read, with the versions remembered for :meth:`push`."""
         out = {}
-        for var, val in zip(plan.variables, values):
+        for var, val in zip(vars_, values):
             self._seen[var.name] = val.version
             out[var.name] = val
         return out

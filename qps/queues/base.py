@@ -195,6 +195,11 @@ def _quick_codec(spec: QueueSpec, fixed: bool) -> _Quick | None:
     return _Quick(dtype, shape, header, len(header) + nbytes)
 
 
+def _size_sum(replies: Sequence[Any]) -> int:
+    """A queue's size from the replies to its size reads (a missing field counts 0)."""
+    return sum(int(r or 0) for r in replies)
+
+
 class QueueBase:
     """Behaviour common to every queue type; use a subclass."""
 
@@ -1122,11 +1127,21 @@ class QueueBase:
 
     # -- acknowledged (at-least-once) dequeues --------------------------------------
     async def _take_acked(
-        self, n: int, mode: str, timeout: float | None, nowait: bool
-    ) -> tuple[list[np.ndarray], _Tokens]:
+        self,
+        n: int,
+        mode: str,
+        timeout: float | None,
+        nowait: bool,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
+        listed: bool = False,
+    ) -> Delivery:
+        """An acknowledged :meth:`_take` as its :class:`Delivery` (``listed``: its value
+        is the list of the elements, each formatted)."""
         tokens = _Tokens()
-        arrays = await self._take(n, mode, timeout, nowait, tokens)
-        return arrays, tokens
+        got = await self._take(n, mode, timeout, nowait, tokens, then, then_out, listed)
+        value = [self._format(e) for e in got] if listed else self._format(got)
+        return Delivery(value, tuple(tokens), not tokens.refs)
 
     async def dequeue_acked(self, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue`, at least once: the element stays held for this caller until
@@ -1137,8 +1152,7 @@ class QueueBase:
         Raises:
             as :meth:`dequeue`.
         """
-        arrays, tokens = await self._take_acked(1, "one", timeout, False)
-        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
+        return await self._take_acked(1, "one", timeout, False)
 
     async def dequeue_acked_then(
         self, commands: Sequence[Sequence[Any]], *, timeout: float | None = None
@@ -1150,10 +1164,8 @@ class QueueBase:
         Raises:
             as :meth:`dequeue`.
         """
-        tokens = _Tokens()
         out: list[Any] = []
-        arrays = await self._take(1, "one", timeout, False, tokens, list(commands), out)
-        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs), out
+        return await self._take_acked(1, "one", timeout, False, list(commands), out), out
 
     async def dequeue_ready_acked(
         self, n: int, *, then: Sequence[Sequence[Any]] = ()
@@ -1175,29 +1187,22 @@ class QueueBase:
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise InvalidArgumentError(f"dequeue_ready_acked needs a count >= 1, got {n!r}")
-        tokens = _Tokens()
         out: list[Any] = []
-        got = await self._take(int(n), "upto", None, True, tokens, list(then), out, listed=True)
-        return (
-            Delivery([self._format(e) for e in got], tuple(tokens), not tokens.refs),
-            out,
-        )
+        return await self._take_acked(int(n), "upto", None, True, list(then), out, True), out
 
     async def dequeue_many_acked(self, n: int, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue_many`, at least once (see :meth:`dequeue_acked`)."""
         self._check_many(n, "DequeueManyOp")
         if n == 0:
             return Delivery(self._format(self._batch([])), ())
-        arrays, tokens = await self._take_acked(int(n), "many", timeout, False)
-        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
+        return await self._take_acked(int(n), "many", timeout, False)
 
     async def dequeue_up_to_acked(self, n: int, *, timeout: float | None = None) -> Delivery:
         """:meth:`dequeue_up_to`, at least once (see :meth:`dequeue_acked`)."""
         self._check_many(n, "DequeueUpToOp")
         if n == 0:
             return Delivery(self._format(self._batch([])), ())
-        arrays, tokens = await self._take_acked(int(n), "upto", timeout, False)
-        return Delivery(self._format(arrays), tuple(tokens), not tokens.refs)
+        return await self._take_acked(int(n), "upto", timeout, False)
 
     async def ack(self, delivery: Delivery) -> None:
         """Done with a delivery: its elements are gone for good.
@@ -1316,28 +1321,29 @@ class QueueBase:
     async def size(self) -> int:
         """The number of stored elements (not counting those held by pending dequeues)."""
         client = await self._c()
+        reads = self._size_reads()
         with map_errors():
-            if self._spec.kind == "shuffle":
-                return int(await client.commands.hget(self._keys[0], "n") or 0)
-            if self._spec.kind == "priority":
-                return int(await client.commands.zcard(self._keys[1]))
-            # LLEN items + x (batch entries' rows beyond one each), read atomically
-            pipe = client.commands.pipeline(transaction=True)
-            pipe.llen(self._keys[1])
-            pipe.hget(self._keys[0], "x")
-            entries, extra = await pipe.execute()
-            return int(entries) + int(extra or 0)
+            if len(reads) == 1:
+                one = await client.commands.execute_command(*reads[0])  # type: ignore[no-untyped-call]
+                return _size_sum([one])
+            pipe = client.commands.pipeline(transaction=True)  # read atomically
+            for command in reads:
+                pipe.execute_command(*command)
+            return _size_sum(await pipe.execute())
+
+    def _size_reads(self) -> list[tuple[Any, ...]]:
+        """The reads whose replies add up to :meth:`size`."""
+        if self._spec.kind == "shuffle":
+            return [("HGET", self._keys[0], "n")]
+        if self._spec.kind == "priority":
+            return [("ZCARD", self._keys[1])]
+        # LLEN items + x (batch entries' rows beyond one each)
+        return [("LLEN", self._keys[1]), ("HGET", self._keys[0], "x")]
 
     def size_commands(self) -> list[tuple[Any, ...]]:
         """:meth:`size` as plain commands (one ``MULTI``/``EXEC``) for a round trip of the
         caller's own (:meth:`dequeue_then`); :meth:`size_of` reads their replies."""
-        if self._spec.kind == "shuffle":
-            reads: list[tuple[Any, ...]] = [(b"HGET", self._keys[0], b"n")]
-        elif self._spec.kind == "priority":
-            reads = [(b"ZCARD", self._keys[1])]
-        else:  # LLEN items + x (batch entries' rows beyond one each), read atomically
-            reads = [(b"LLEN", self._keys[1]), (b"HGET", self._keys[0], b"x")]
-        return [(b"MULTI",), *reads, (b"EXEC",)]
+        return [("MULTI",), *self._size_reads(), ("EXEC",)]
 
     def size_of(self, replies: Sequence[Any]) -> int | None:
         """The size from the replies to :meth:`size_commands` (all of them, in order);
@@ -1346,7 +1352,7 @@ class QueueBase:
         if not isinstance(done, list) or not done:
             return None
         try:
-            return sum(int(r or 0) for r in done)
+            return _size_sum(done)
         except (TypeError, ValueError):
             return None
 
