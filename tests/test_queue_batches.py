@@ -327,3 +327,42 @@ async def test_a_buffer_read_that_failed_with_the_reply_is_read_anew(client, mon
     with pytest.raises(WouldBlockError):
         await q.dequeue_nowait()  # drops the record
     assert await no_buffers(client)
+
+
+@pytest.mark.parametrize(
+    "take, rows, acked",
+    [
+        ("many", 128, False),  # exactly the batch's rows: handed over, buffer and all
+        ("upto", 128, False),
+        ("many", 64, False),  # fewer rows than the batch: the rest stays stored
+        ("many", 128, True),  # an acknowledged dequeue reads its rows by reference
+    ],
+)
+async def test_a_batch_for_a_waiting_dequeue(make_client, take, rows, acked):
+    """A batch enqueued while a dequeue waits on the empty queue goes to it (in one
+    script when the dequeue asks for exactly the batch's rows and is not acknowledged,
+    the buffer renamed after its attempt): the rows arrive once, in order, the totals
+    count them, nothing is left pending, and the buffer goes once they are read."""
+    producer, consumer = await make_client(), await make_client()
+    qp, qc = queue(producer), queue(consumer)
+    if acked:
+        call = qc.dequeue_many_acked(rows)
+    else:
+        call = qc.dequeue_many(rows) if take == "many" else qc.dequeue_up_to(rows)
+    task = asyncio.ensure_future(call)
+    await until(lambda: _pending_dequeues(qp, 1))
+    await qp.enqueue_many(batch(128))
+    got = await asyncio.wait_for(task, 10)
+    if acked:
+        check(got.value, list(range(rows)))
+        await qc.ack(got)
+    else:
+        check(got, list(range(rows)))
+    st = await qp.stats()
+    assert (st.enqueued_total, st.dequeued_total) == (128, rows)
+    assert (st.size, st.pending_enqueues, st.pending_dequeues, st.held) == (128 - rows, 0, 0, 0)
+    if rows < 128:
+        check(await qc.dequeue_many(128 - rows), list(range(rows, 128)))
+    with pytest.raises(WouldBlockError):
+        await qc.dequeue_nowait()  # drops the last delivery's record
+    assert await buffer_keys(producer) == []

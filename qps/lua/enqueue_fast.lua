@@ -5,10 +5,12 @@
 -- for every element, none of them a reference to a large element's chunks (one batch
 -- entry 'QB|...' alone is fine: its buffer's keys are persisted here). Anything else,
 -- or a tombstone of this attempt, falls through to the full script.
--- A second case: one element for the one attempt pending, a dequeue of one
--- element (acknowledged or not) waiting on an empty queue with its lease valid: hand the
--- element to it as the full script's flush would (its delivery record, the 'r|' lease,
--- its outcome and wake token; a plain element needs no hand_over).
+-- A second case: one value for the one attempt pending, a dequeue waiting on an empty
+-- queue with its lease valid, for exactly what the value stands for: a plain element
+-- for a dequeue of one (acknowledged or not), or a buffer's batch entry 'QB|...' for a
+-- dequeue that is not acknowledged of exactly its rows. Hand it over as the full
+-- script's flush would (its delivery record, the 'r|' lease, its outcome and wake
+-- token; a buffer goes along renamed after the attempt, as hand_over does).
 -- Both hold with acknowledged deliveries held by consumers ('r|' leases: w counts them
 -- too) as long as none of those leases has run out (the full script would put those
 -- elements back first).
@@ -24,23 +26,46 @@ end
 do
   local P = string.sub(KEYS[1], 1, -5)
   local ms, id = string.match(ARGV[1], '^(%S+) (%S+) 0$')  -- A: lease, id, nowait
+  local cap = tonumber(M[2]) or -1
   if W >= 1 and id and #ARGV == 2 and (M[1] == 'fifo' or M[1] == 'padding')
-      and M[3] == '0' and (tonumber(M[5]) or 0) == 0 and tonumber(M[2]) ~= 0 then
+      and M[3] == '0' and (tonumber(M[5]) or 0) == 0 and cap ~= 0 then
     local v = ARGV[2]
     local b1, b2, b3 = string.byte(v, 1, 3)
     local ref = b1 == 81 and (b2 == 82 or b2 == 83 or b2 == 66) and b3 == 124
+    local bid, first, rows, size  -- a batch entry: the rows of buffer b:<bid>
+    if ref and b2 == 66 then
+      bid, first, rows, size = string.match(v, '^QB|([^|]+)|(%d+)|(%d+)|(%d+)$')
+      rows = tonumber(rows)
+    end
+    local count = bid and rows or 1
     local dw = P .. 'dw'
-    if not ref and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', dw) == 1
+    if (not ref or bid) and (cap < 0 or count <= cap)
+        and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', dw) == 1
         and redis.call('LLEN', P .. 'items') == 0
         and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
       local e = redis.call('LINDEX', dw, 0)
-      local mode, did = string.match(e, '^d|1|(%a+)|(.+)$')
+      local n, mode, did = string.match(e, '^d|(%d+)|(%a+)|(.+)$')
+      local bk = bid and P .. 'b:' .. bid
+      local fits = n and tonumber(n) == count
+      if fits and bid then  -- hand_over's conditions: all rows unread, the buffer there
+        fits = string.sub(mode, -1) ~= 'A' and bid ~= did
+          and tonumber(redis.call('GET', bk .. ':u') or '') == rows
+          and redis.call('EXISTS', bk) == 1
+      end
       local lease = P .. 'lease'
       local now = now_ms()
-      if mode and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
+      if fits and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
           and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now
           and (W == 1 or not lapsed(lease, now)) then
         local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
+        if bid then
+          local nk = P .. 'b:' .. did
+          redis.call('RENAME', bk, nk)
+          redis.call('RENAME', bk .. ':u', nk .. ':u')
+          redis.call('PEXPIRE', nk, 60000)  -- RECORD_MS
+          redis.call('PEXPIRE', nk .. ':u', 60000)
+          v = string.format('QB|%s|%s|%d|%s', did, first, rows, size)
+        end
         redis.call('RPUSH', hk, v)
         redis.call('LPOP', dw)
         redis.call('ZREM', lease, e)
@@ -48,8 +73,8 @@ do
         redis.call('SET', P .. 'a:' .. did .. ':s', 'ok', 'PX', 60000)  -- RECORD_MS
         redis.call('RPUSH', wk, 1)
         redis.call('PEXPIRE', wk, 60000)
-        redis.call('HINCRBY', KEYS[1], 'enq', 1)
-        redis.call('HINCRBY', KEYS[1], 'deq', 1)
+        redis.call('HINCRBY', KEYS[1], 'enq', count)
+        redis.call('HINCRBY', KEYS[1], 'deq', count)
         return {'ok'}
       end
     end
