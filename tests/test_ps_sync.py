@@ -108,3 +108,91 @@ async def test_sync_workers_get_the_parameters_with_their_token(
     assert await watcher.global_step() == steps  # one update per pair of gradients
     # one pull each to start (and one more per stale token, which these do not get)
     assert sorted(pulls) == ["worker0", "worker1"], pulls
+
+
+async def test_only_gradients_that_may_be_applied_are_looked_up(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gradient for the update being gathered cannot have been applied, so its ids
+    are not looked up (a round trip less per update). Looked up: those of the updates
+    up to the one the shard started from, stale ones, and, once a gradient from an
+    update ahead of the shard was taken, those up to its step: a redelivered copy of
+    it, whose step the shard has reached since, is found applied and not counted again."""
+    from qps.errors import AbortedError
+    from qps.ps.messages import GradientMessage, encode_message
+    from qps.ps.shard import Shard
+    from qps.queues.base import Delivery, QueueBase
+
+    asked: list[tuple[str, int]] = []
+    real = Shard._applied_flags
+
+    async def counted(self: Shard, msgs: list[GradientMessage]) -> object:
+        asked.extend((m.worker, m.step) for m in msgs)
+        return await real(self, msgs)
+
+    monkeypatch.setattr(Shard, "_applied_flags", counted)
+    a, b = await job.session("w0"), await job.session("w1")
+    await control.configure(a.client, C, 1, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    shard, _ = await job.shard(0, 1)
+    tok0 = control.token_queue(a.client, C, 0)
+    grads = control.gradient_queue(a.client, C, 0)
+
+    def grad(g: float) -> dict[str, np.ndarray]:
+        return {"w": np.array([g, g], np.float32)}
+
+    async def update(n: int) -> None:
+        assert int(await tok0.dequeue(timeout=10)) == n
+
+    await a.push(grad(1), step=0)
+    await b.push(grad(3), step=0)
+    await update(1)  # the shard started at update 0: looked up
+    assert sorted(asked) == [("w0", 0), ("w1", 0)]
+    await a.push(grad(1), step=1)
+    await b.push(grad(3), step=1)
+    await update(2)  # fresh: not looked up
+    assert len(asked) == 2
+
+    # A gradient from an update ahead (step 3 while the shard gathers update 3, i.e.
+    # step 2) counts. The ack of that update fails (its lease ran out, say): both
+    # messages come again once the shard gathers update 4 (step 3), and are looked up
+    # and found applied (the update-ahead one by its step), then acked.
+    ahead = GradientMessage(
+        worker="w1", step=3, shard=0, nonce="ahead.1", grads=grad(3), global_step=True
+    )
+    mine = GradientMessage(
+        worker="w0", step=2, shard=0, nonce="mine.1", grads=grad(1), global_step=True
+    )
+    real_ack = QueueBase.ack
+    lost = [True]
+
+    async def ack(self: QueueBase, delivery: Delivery) -> None:
+        await real_ack(self, delivery)
+        if lost and self.name == grads.name and len(delivery.tokens) == 2:
+            lost.clear()
+            raise AbortedError("the delivery's lease ran out (test)")
+
+    monkeypatch.setattr(QueueBase, "ack", ack)
+    for m in (ahead, mine):
+        await grads.enqueue(np.frombuffer(encode_message(m), np.uint8))
+    await update(3)
+    # ("w0", 2) too if the shard took it after the update-ahead one, in another round
+    assert asked[2] == ("w1", 3) and set(asked[3:]) <= {("w0", 2)}
+    assert (await a.pull("w")).value.tolist() == [-6.0, -6.0]
+    assert not lost
+    seen = len(asked)
+    for m in (ahead, mine):  # redelivered
+        await grads.enqueue(np.frombuffer(encode_message(m), np.uint8))
+    await a.push(grad(1), step=3)
+    await b.push(grad(3), step=3)
+    await update(4)
+    assert sorted(asked[seen:]) == [("w0", 2), ("w0", 3), ("w1", 3), ("w1", 3)]
+    assert shard.skipped == 2
+    seen = len(asked)
+    await a.push(grad(1), step=4)
+    await b.push(grad(3), step=4)
+    await update(5)  # past the update-ahead step: fresh ones are not looked up again
+    assert len(asked) == seen
+    assert (await a.pull("w")).value.tolist() == [-10.0, -10.0]
+    assert await a.global_step() == 5

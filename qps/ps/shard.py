@@ -470,7 +470,12 @@ class Shard:
         self.sync: tuple[int, int] | None = None
         self.sync_step = 0  # aggregated updates this shard has committed
         self.dropped = 0  # stale gradients dropped (synchronous training)
+        #: synchronous training: gradients for updates up to this one are looked up in
+        #: the applied ids before they count (see _sync_round)
+        self._checked_through = 0
         self._acc = _Accum()
+        #: synchronous training: the last update's tokens and ack, while under way
+        self._settling: asyncio.Future[Any] | None = None
         self._sync_shards: int | None = None  # shards that hold variables (tokens)
         self._tokens: list[QueueBase] | None = None  # the workers' token queues, opened once
         self._gs_opened = False  # the global-step counter created and registered
@@ -539,6 +544,7 @@ class Shard:
             await self._own_placed()
             if self.sync is not None:
                 self.sync_step = max((o.t for o in self.owned.values()), default=0)
+                self._checked_through = self.sync_step
             self.log.info(
                 "owning %d variable(s) with token %d, optimizer %s%s",
                 len(self.owned),
@@ -751,6 +757,8 @@ class Shard:
             fetcher.cancel()
             toucher.cancel()
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
+            if self._settling is not None:  # unacked, its messages come again: applied
+                await _quietly(self._settled())
             left: list[Delivery] = []
             for it in (*self._acc.items, *inbox.items):  # each delivery once, in order
                 if it.delivery is not None and not any(d is it.delivery for d in left):
@@ -1292,9 +1300,22 @@ class Shard:
                 await self._reject(q, _Group(), item, f"gradient of '{bad}' holds NaN or Inf", bad)
                 continue
             valid.append((item, m))
-        flags, _ = await self._applied_flags([m for _, m in valid])  # one round trip
-        for (item, m), done in zip(valid, flags):
-            if m.grads and all(done.values()):
+
+        # A gradient for the update being gathered (its step s is the shard's update
+        # count) cannot have been applied, and is not looked up: one of step s goes
+        # into update s + 1, and the shard counts s + 1 once that update is committed.
+        # Looked up (one round trip): the others (stale ones, redeliveries of applied
+        # ones), those of steps up to the count this run started from (what the last
+        # run delivered comes again first), and, once one from an update ahead of the
+        # shard (a worker started meanwhile) was taken, those up to its step.
+        def unsure(m: GradientMessage) -> bool:
+            return m.step != self.sync_step or m.step <= self._checked_through
+
+        asked = [m for _, m in valid if unsure(m)]
+        found = iter((await self._applied_flags(asked))[0] if asked else [])
+        for item, m in valid:
+            done = next(found) if unsure(m) else None
+            if done is not None and m.grads and all(done.values()):
                 await self._settle(q, [item.delivery] if item.delivery else [], ack=True)
                 self.skipped += 1
                 continue
@@ -1304,12 +1325,15 @@ class Shard:
                 self.metrics.dropped_stale.inc()
                 await self._stats({}, {"dropped_stale": 1, f"dropped|{m.worker}": 1})
                 continue
+            if m.step > self.sync_step:  # from an update ahead: look those up
+                self._checked_through = m.step
             acc.items.append(item)
             acc.add(m)
         if len(acc.items) >= self.sync[0]:
             await self._sync_update(q)
 
     async def _sync_update(self, q: QueueBase) -> None:
+        await self._settled()  # the previous update's tokens and ack (done by now)
         acc, self._acc = self._acc, _Accum()
         opt = self.optimizer
         assert opt is not None
@@ -1345,14 +1369,25 @@ class Shard:
         self.sync_step += 1
 
         async def settle() -> None:  # the ids are released once the ack is done
-            await self._settle(q, deliveries, ack=True)
-            await self._released(g)
+            if await self._settle(q, deliveries, ack=True):
+                await self._released(g)
+            # else a lease ran out: the ids stay recorded, the messages come again and
+            # are found applied
 
         # The tokens go out first (their writes ahead of the ack's), then the deliveries
         # are acknowledged: a worker may pull and push again at once. Should this
         # process die before the ack, the messages come again and are acked as applied
-        # (their ids were committed with the update).
-        await asyncio.gather(*await self._sync_tokens(self.sync_step), settle())
+        # (their ids were committed with the update). Both run while the shard gathers
+        # the next update's gradients; the next update (or the loop's end) awaits them.
+        tokens = await self._sync_tokens(self.sync_step)
+        self._settling = asyncio.ensure_future(asyncio.gather(*tokens, settle()))
+
+    async def _settled(self) -> None:
+        """Wait for the last update's tokens and acknowledgement if they are still
+        under way; raise their failure."""
+        pending, self._settling = self._settling, None
+        if pending is not None:
+            await pending
 
     async def _sync_tokens(self, step: int) -> list[Awaitable[None]]:
         """Once every shard holding variables has committed update ``step``, give each
