@@ -21,11 +21,11 @@ async def test_updates_average_fresh_gradients_and_drop_stale_ones(job: Job) -> 
     await a.variable("w", (2,), np.float32, initializer="zeros").create()
     await a.variable("e", (4, 2), np.float32, initializer="zeros").create()
     await job.shard(0, 1)
-    tok0, tok1 = (control.token_queue(a.client, C, k) for k in (0, 1))
+    tok0, tok1 = (control.tokens(a.client, C, k) for k in (0, 1))
 
     await a.push({"w": np.array([1, 2], np.float32)}, step=0)
     await b.push({"w": np.array([3, 4], np.float32)}, step=0)
-    assert int(await tok0.dequeue(timeout=10)) == 1 and int(await tok1.dequeue(timeout=10)) == 1
+    assert (await tok0.take_then([], 10))[0] == 1 and (await tok1.take_then([], 10))[0] == 1
     assert (await a.pull("w")).value.tolist() == [-2.0, -3.0]  # w -= mean
     assert await a.global_step() == 1  # one update for two pushes
 
@@ -34,7 +34,7 @@ async def test_updates_average_fresh_gradients_and_drop_stale_ones(job: Job) -> 
     # sparse rows are averaged over the gradients that hold them (TF's per-index mean)
     await a.push({"e": SparseGradient(np.array([0, 1]), np.ones((2, 2), np.float32))}, step=1)
     await b.push({"e": SparseGradient(np.array([1]), np.full((1, 2), 3, np.float32))}, step=1)
-    assert int(await tok0.dequeue(timeout=10)) == 2
+    assert (await tok0.take_then([], 10))[0] == 2
     e = (await a.pull("e")).value
     assert e[0].tolist() == [-1.0, -1.0] and e[1].tolist() == [-2.0, -2.0]
     assert e[2:].tolist() == [[0, 0], [0, 0]]
@@ -136,14 +136,14 @@ async def test_only_gradients_that_may_be_applied_are_looked_up(
     await control.configure(a.client, C, 1, SGD(learning_rate=1.0), sync=(2, 2))
     await a.variable("w", (2,), np.float32, initializer="zeros").create()
     shard, _ = await job.shard(0, 1)
-    tok0 = control.token_queue(a.client, C, 0)
+    tok0 = control.tokens(a.client, C, 0)
     grads = control.gradient_queue(a.client, C, 0)
 
     def grad(g: float) -> dict[str, np.ndarray]:
         return {"w": np.array([g, g], np.float32)}
 
     async def update(n: int) -> None:
-        assert int(await tok0.dequeue(timeout=10)) == n
+        assert (await tok0.take_then([], 10))[0] == n
 
     await a.push(grad(1), step=0)
     await b.push(grad(3), step=0)
@@ -196,3 +196,38 @@ async def test_only_gradients_that_may_be_applied_are_looked_up(
     assert len(asked) == seen
     assert (await a.pull("w")).value.tolist() == [-10.0, -10.0]
     assert await a.global_step() == 5
+
+
+@pytest.mark.no_cluster(reason="the plan reads variables of another slot than the tokens'")
+async def test_a_token_brings_the_parameters_read_after_it(make_client) -> None:
+    """A worker's token wait (a plain list: BLPOP) carries the next step's reads in its
+    round trip: the tokens left and the parameters, read once the token is taken (so
+    committed by the update it names)."""
+    import asyncio
+
+    import qps
+    from qps.errors import DeadlineExceededError
+    from qps.ps.client import PSClient
+
+    a, b = await make_client(), await make_client()
+    await qps.Variable("w", (4,), np.float32, client=a, container=C).create()
+    shard_w = await qps.Variable("w", (4,), np.float32, client=b, container=C).create()
+    ps = PSClient(a, C)
+    plan = await ps.pull_plan(["w"])
+    assert plan is not None
+    mine, theirs = control.tokens(a, C, 0), control.tokens(b, C, 0)
+    assert mine.key == theirs.key != control.tokens(a, C, 1).key
+    with pytest.raises(DeadlineExceededError):
+        await mine.take_then([], 0.05)
+    waiter = asyncio.ensure_future(mine.take_then([*mine.size_commands(), *plan.commands], 20))
+    await shard_w.publish(np.full(4, 3.0, np.float32), 1, 0)
+    await theirs.put(1)  # wakes the wait (or is there when it begins)
+    token, replies = await asyncio.wait_for(waiter, 20)
+    assert token == 1 and mine.size_of(replies[:1]) == 0
+    got = ps.pulled(plan, replies[1:])
+    assert got is not None and got["w"].value.tolist() == [3.0] * 4
+    for step in (2, 3, 4):
+        await theirs.put(step)
+    token, replies = await mine.take_then(mine.size_commands(), 20)
+    assert token == 2 and mine.size_of(replies) == 2 == await mine.size()
+    assert await mine.take_all() == [3, 4] and await mine.take_all() == []

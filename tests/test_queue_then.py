@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import qps
-from qps.ps import control
 from qps.ps.client import PSClient
 from qps.variables import read_plan
 from tests.conftest import until
@@ -112,27 +111,27 @@ async def test_a_read_plan_reads_what_pull_reads(client):
 
 
 @pytest.mark.no_cluster(reason="the plan reads variables of another slot than the queue's")
-async def test_a_token_and_the_parameters_in_one_round_trip(make_client):
-    """What a synchronous worker does: block for its token and read the parameters the
-    moment it is taken; the read sees the commit made before the token was given."""
+async def test_an_element_and_the_parameters_in_one_round_trip(make_client):
+    """Block for an element and read the parameters the moment it is taken: the read
+    sees the commit made before the element was put."""
     a, b = await make_client(), await make_client()
     w = await qps.Variable("w", (4,), np.float32, client=a).create()
     shard_w = await qps.Variable("w", (4,), np.float32, client=b).create()
     ps = PSClient(a, qps.keys.DEFAULT_CONTAINER)
     plan = await ps.pull_plan(["w"])
     assert plan is not None
-    tokens_a = control.token_queue(a, qps.keys.DEFAULT_CONTAINER, 0)
-    tokens_b = control.token_queue(b, qps.keys.DEFAULT_CONTAINER, 0)
+    steps_a = qps.FIFOQueue(-1, [np.int64], shapes=[[]], shared_name="steps", client=a)
+    steps_b = qps.FIFOQueue(-1, [np.int64], shapes=[[]], shared_name="steps", client=b)
     waiter = asyncio.create_task(
-        tokens_a.dequeue_then([*tokens_a.size_commands(), *plan.commands], timeout=20)
+        steps_a.dequeue_then([*steps_a.size_commands(), *plan.commands], timeout=20)
     )
-    await until(_pending_dequeues(tokens_b, 1))
+    await until(_pending_dequeues(steps_b, 1))
     await shard_w.publish(np.full(4, 3.0, np.float32), 1, 0)
-    await tokens_b.enqueue(np.int64(1))
-    token, replies = await waiter
-    assert int(token) == 1
-    n = len(tokens_a.size_commands())
-    assert tokens_a.size_of(replies[:n]) == 0
+    await steps_b.enqueue(np.int64(1))
+    step, replies = await waiter
+    assert int(step) == 1
+    n = len(steps_a.size_commands())
+    assert steps_a.size_of(replies[:n]) == 0
     got = ps.pulled(plan, replies[n:])
     assert got is not None and got["w"].value.tolist() == [3.0] * 4
     assert got["w"].version == (await w.read()).version

@@ -401,7 +401,7 @@ class Worker:
         sync = None if ps_cfg is None else ps_cfg.sync
         local_step = res.global_step  # synchronous: the update our gradients are for
         tokens = (
-            None if sync is None else control.token_queue(sess.client, cfg.container, cfg.index)
+            None if sync is None else control.tokens(sess.client, cfg.container, cfg.index)
         )
         # synchronous: the dense pull sent with each token wait (None: pull after it)
         plan = (
@@ -570,14 +570,14 @@ class Worker:
         return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
 
     async def _token(
-        self, tokens: Any, replicas: int, plan: ReadPlan | None
+        self, tokens: control.Tokens, replicas: int, plan: ReadPlan | None
     ) -> tuple[int | None, int | None, tuple[dict[str, Any], dict[str, int]] | None]:
         """Synchronous training: block for this worker's next token (the global step
         after the update its gradient went to, or a later one if it was dropped as
         stale). None when it cannot come: fewer than ``replicas`` workers are still
         running (the others are done), or the job is finished.
 
-        With the token come, in the same round trip (:meth:`FIFOQueue.dequeue_then`),
+        With the token come, in the same round trip (:meth:`control.Tokens.take_then`),
         the number of tokens still waiting (None if unknown) and the parameters read
         the moment it was taken (the update it names is committed by then) by
         ``plan``, or None without one (sparse models, large variables, a cluster) or
@@ -587,7 +587,7 @@ class Worker:
         then = [*size, *(plan.commands if plan is not None else ())]
         while True:
             try:
-                value, replies = await tokens.dequeue_then(then, timeout=job.WAKE_SECONDS)
+                value, replies = await tokens.take_then(then, job.WAKE_SECONDS)
             except DeadlineExceededError:
                 done = await job.finished_workers(client, cfg.container)
                 if cfg.num_workers - len(done - {cfg.name}) < replicas:
@@ -608,12 +608,10 @@ class Worker:
             return int(value), more, pulled
 
     @staticmethod
-    async def _newest_token(tokens: Any, got: int) -> int:
+    async def _newest_token(tokens: control.Tokens, got: int) -> int:
         """Tokens of updates made without us (our gradient was stale, or we were slow)
         that wait after token ``got``: take them all; return the newest token."""
-        if (more := await tokens.size()) > 0:
-            got = max(got, int(np.max(await tokens.dequeue_many(more))))
-        return got
+        return max([got, *await tokens.take_all()])
 
     async def _checkpoint(self) -> None:
         assert self.cfg.checkpoint_dir

@@ -9,7 +9,7 @@ Nothing here runs a shard (:mod:`qps.ps.shard`) or sends gradients
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from qps import keys, placement, wire
 from qps.containers import Counter
 from qps.errors import (
     DataLossError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     QpsError,
@@ -561,16 +562,76 @@ async def drop_dead_letters(client: Client, container: str, shard: int) -> int:
 # -- synchronous training: tokens -------------------------------------------------------------
 
 
-def token_queue(client: Client, container: str, worker: int) -> FIFOQueue:
-    """Worker ``worker``'s token queue in synchronous training (TF's ``sync_token_q``, one
-    per worker here so that each worker takes exactly its own token): the shards put
-    the new global step there after each aggregated update; the worker blocks on it
-    after pushing a gradient."""
-    return FIFOQueue(
-        -1,
-        [np.int64],
-        shapes=[[]],
-        shared_name=f"ps/sync/token/{int(worker)}",
-        container=container,
-        client=client,
-    )
+class Tokens:
+    """Worker ``worker``'s tokens in synchronous training (TF's ``sync_token_q``, one per
+    worker here so that each worker takes exactly its own): after each aggregated
+    update the shards put the new global step there, and the worker blocks on it after
+    pushing its gradient.
+
+    A plain Redis list (``qps:{C}:ps:sync:tokens:<I>``): ``RPUSH`` by the shard that
+    completes an update, ``BLPOP`` by the worker, with the next step's reads sent in the
+    same round trip. A token needs none of a queue's guarantees: one taken by a worker
+    process that died with it is never needed again (a worker started again begins at
+    the global step), and one a worker left behind is stale (it goes on from the
+    newest)."""
+
+    def __init__(self, client: Client, container: str, worker: int) -> None:
+        self.client = client
+        self.key = keys.container_prefix(container) + f"ps:sync:tokens:{int(worker)}"
+
+    def put_command(self, step: int) -> tuple[Any, ...]:
+        """The command that gives the worker token ``step``."""
+        return ("RPUSH", self.key, int(step))
+
+    async def put(self, step: int) -> None:
+        await self.client.run_commands([self.put_command(step)])
+
+    def size_commands(self) -> list[tuple[Any, ...]]:
+        return [("LLEN", self.key)]
+
+    @staticmethod
+    def size_of(replies: Sequence[Any]) -> int | None:
+        """The count from the reply to :meth:`size_commands`; None if it is an error."""
+        return int(replies[0]) if replies and isinstance(replies[0], int) else None
+
+    async def size(self) -> int:
+        return int((await self.client.run_commands(self.size_commands()))[0])
+
+    async def take_then(
+        self, commands: Sequence[Sequence[Any]], timeout: float
+    ) -> tuple[int, list[Any]]:
+        """Block for the next token (up to ``timeout`` seconds); plain read ``commands``
+        run right after it is taken, in the same round trip (their replies come back
+        in order, an error in its place). Without a lean connection (fakeredis) they
+        run in a round trip of their own after it; on a cluster they must be of the
+        list's slot, and without a lean connection they do not run ([]).
+
+        Raises:
+            DeadlineExceededError: no token came within ``timeout``.
+        """
+        wait = ("BLPOP", self.key, timeout)
+        replies = await self.client.write_commands([wait, *commands])
+        if replies is None:  # no lean connection (fakeredis, a cluster node unknown)
+            with map_errors():
+                got = await self.client.commands.blpop([self.key], timeout)
+            after: list[Any] = []
+            if got is not None and commands and not self.client.cluster:
+                after = await self.client.run_commands_replies(commands)
+        else:
+            got, after = replies[0], replies[1:]
+            if isinstance(got, BaseException):
+                raise got
+        if got is None:
+            raise DeadlineExceededError(f"no token in {timeout} s ({self.key})")
+        return int(got[1]), after
+
+    async def take_all(self) -> list[int]:
+        """The tokens waiting now (none taken if none wait)."""
+        with map_errors():
+            got = await self.client.commands.lpop(self.key, 1 << 20)
+        return [int(v) for v in got or []]
+
+
+def tokens(client: Client, container: str, worker: int) -> Tokens:
+    """Worker ``worker``'s :class:`Tokens`."""
+    return Tokens(client, container, worker)

@@ -477,7 +477,7 @@ class Shard:
         #: synchronous training: the last update's tokens and ack, while under way
         self._settling: asyncio.Future[Any] | None = None
         self._sync_shards: int | None = None  # shards that hold variables (tokens)
-        self._tokens: list[QueueBase] | None = None  # the workers' token queues, opened once
+        self._tokens: list[control.Tokens] | None = None  # the workers' token lists
         self._gs_opened = False  # the global-step counter created and registered
         self._scripts_loaded = False  # the commit scripts loaded (run by SHA at once)
         self._commit_seconds = 0.0  # how long the last group commit took
@@ -1389,17 +1389,18 @@ class Shard:
         if pending is not None:
             await pending
 
-    async def _sync_tokens(self, step: int) -> list[Awaitable[None]]:
+    async def _sync_tokens(self, step: int) -> list[Awaitable[Any]]:
         """Once every shard holding variables has committed update ``step``, give each
-        worker a token (the new global step): each is blocked on its own token queue.
-        Returns the token enqueues to run (none while other shards have not committed)."""
+        worker a token (the new global step): each is blocked on its own token list.
+        Returns the writes to run (one round trip for all; none while other shards
+        have not committed)."""
         assert self.sync is not None
         if self._sync_shards is None:  # placed once, at the first push of the job
             placed = await control.read_placement(self.client, self.container)
             self._sync_shards = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
         if self._tokens is None:
             self._tokens = [
-                control.token_queue(self.client, self.container, k) for k in range(self.sync[1])
+                control.tokens(self.client, self.container, k) for k in range(self.sync[1])
             ]
         needed = self._sync_shards
         if needed > 1:  # the last shard to commit the update hands out the tokens
@@ -1411,7 +1412,7 @@ class Shard:
                 done, _ = await pipe.execute()
             if int(done) != needed:
                 return []
-        return [t.enqueue(np.int64(step)) for t in self._tokens]
+        return [self.client.run_commands([t.put_command(step) for t in self._tokens])]
 
     async def _advance_global_step(self, ids: list[str]) -> None:
         await self._open_global_step()
