@@ -95,17 +95,8 @@ do
         local v, dx = head, 1 - n
         if rows == n then
           redis.call('LPOP', items)
-          -- hand_over (queue_common.lua): the last unread rows take their buffer along
-          local bk = P .. 'b:' .. bid
-          if bid ~= id and tonumber(redis.call('GET', bk .. ':u') or '') == n
-              and redis.call('EXISTS', bk) == 1 then
-            local nk = P .. 'b:' .. id
-            redis.call('RENAME', bk, nk)
-            redis.call('RENAME', bk .. ':u', nk .. ':u')
-            redis.call('PEXPIRE', nk, 60000)  -- RECORD_MS
-            redis.call('PEXPIRE', nk .. ':u', 60000)
-            v = string.format('QB|%s|%s|%d|%s', id, first, n, size)
-          end
+          -- the last unread rows take their buffer along (fast_common.lua)
+          v = fast_hand_over(P, bid, id, first, n, size) or v
         else
           dx = -n
           first = tonumber(first)

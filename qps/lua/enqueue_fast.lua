@@ -45,27 +45,20 @@ do
         and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
       local e = redis.call('LINDEX', dw, 0)
       local n, mode, did = string.match(e, '^d|(%d+)|(%a+)|(.+)$')
-      local bk = bid and P .. 'b:' .. bid
-      local fits = n and tonumber(n) == count
-      if fits and bid then  -- hand_over's conditions: all rows unread, the buffer there
-        fits = string.sub(mode, -1) ~= 'A' and bid ~= did
-          and tonumber(redis.call('GET', bk .. ':u') or '') == rows
-          and redis.call('EXISTS', bk) == 1
-      end
       local lease = P .. 'lease'
       local now = now_ms()
-      if fits and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
+      if n and tonumber(n) == count and not (bid and string.sub(mode, -1) == 'A')
+          and redis.call('LLEN', P .. 'a:' .. did .. ':h') == 0
           and (tonumber(redis.call('ZSCORE', lease, e)) or 0) > now
           and (W == 1 or not lapsed(lease, now)) then
-        local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
-        if bid then
-          local nk = P .. 'b:' .. did
-          redis.call('RENAME', bk, nk)
-          redis.call('RENAME', bk .. ':u', nk .. ':u')
-          redis.call('PEXPIRE', nk, 60000)  -- RECORD_MS
-          redis.call('PEXPIRE', nk .. ':u', 60000)
-          v = string.format('QB|%s|%s|%d|%s', did, first, rows, size)
+        if bid then  -- the buffer goes along (fast_common.lua), else the full script
+          v = fast_hand_over(P, bid, did, first, rows, size)
         end
+      else
+        v = nil
+      end
+      if v then
+        local hk, wk = P .. 'a:' .. did .. ':h', P .. 'a:' .. did .. ':w'
         redis.call('RPUSH', hk, v)
         redis.call('LPOP', dw)
         redis.call('ZREM', lease, e)

@@ -284,18 +284,9 @@ end
 local function hand_over(id, vals)
   if not LIST or #vals ~= 1 or not is_qb(vals[1]) then return vals end
   local bid, first, rows, size = qb_parse(vals[1])
-  if not bid or bid == id then return vals end
-  local bk = P .. 'b:' .. bid
-  if tonumber(redis.call('GET', bk .. ':u') or '') ~= rows
-      or redis.call('EXISTS', bk) == 0 then
-    return vals
-  end
-  local nk = P .. 'b:' .. id
-  redis.call('RENAME', bk, nk)
-  redis.call('RENAME', bk .. ':u', nk .. ':u')
-  redis.call('PEXPIRE', nk, RECORD_MS)
-  redis.call('PEXPIRE', nk .. ':u', RECORD_MS)
-  return {string.format('QB|%s|%d|%d|%s', id, first, rows, size)}
+  if not bid then return vals end
+  local given = fast_hand_over(P, bid, id, first, rows, size)  -- fast_common.lua
+  return given and {given} or vals
 end
 
 -- The caller of dequeue id is done with its delivery: drop the record and a buffer it
