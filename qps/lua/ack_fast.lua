@@ -1,7 +1,8 @@
 -- The ack fast path (see enqueue_fast.lua): acknowledged deliveries of an open list queue
--- (FIFO, padding) whose records hold only plain elements (no large element's chunks, no
--- batch entry: nothing out of line to release). It does what the full script does then:
--- end each 'r|<id>' lease and drop its record. An open queue has nothing to flush: an
+-- (FIFO, padding) whose records hold only plain elements and references to elements
+-- stored in one chunk ('QR|<bid>|1|...': no batch entry, no element of several chunks).
+-- It does what the full script does then: end each 'r|<id>' lease and drop its record
+-- and the chunks it names. An open queue has nothing to flush: an
 -- ack frees no room and adds no element. Any record with a reference, a lease run out,
 -- or a closed queue falls through to the full script (nothing written before).
 -- A: lease, then '+p' when the caller saw only plain values in the deliveries (the
@@ -18,7 +19,7 @@ do
   local first = said and 3 or 2
   if (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and #ids >= first then
     local lease = P .. 'lease'
-    local plain = true
+    local plain, chunks = true, {}
     for i = first, #ids do
       if not redis.call('ZSCORE', lease, 'r|' .. ids[i]) then
         plain = false  -- run out (the full script reports it)
@@ -28,7 +29,12 @@ do
         for _, v in ipairs(redis.call('LRANGE', P .. 'a:' .. ids[i] .. ':h', 0, -1)) do
           local b1, b2, b3 = string.byte(v, 1, 3)
           if b1 == 81 and (b2 == 82 or b2 == 83 or b2 == 66) and b3 == 124 then
-            plain = false  -- a QR|, QS| or QB| reference
+            local bid = b2 == 82 and string.match(v, '^QR|([^|]+)|1|%d+$')
+            if bid then  -- one chunk: dropped with the record
+              chunks[#chunks + 1] = P .. 'b:' .. bid .. ':0'
+            else
+              plain = false  -- a QS| or QB| reference, or several chunks
+            end
           end
         end
       end
@@ -40,6 +46,7 @@ do
         gone = gone + redis.call('ZREM', lease, 'r|' .. ids[i])
         redis.call('DEL', P .. 'a:' .. ids[i] .. ':h')
       end
+      if #chunks > 0 then redis.call('DEL', unpack(chunks)) end
       redis.call('HINCRBY', KEYS[1], 'w', -gone)
       return {'ok'}
     end

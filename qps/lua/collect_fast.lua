@@ -1,9 +1,10 @@
 -- The collect fast paths (see enqueue_fast.lua). First: a non-acknowledged dequeue whose
 -- attempt finished ('ok') while its caller waited, with no lease of any attempt run out (else
--- the full script reaps first) and no large element's chunks among its elements. It
--- does what finalize does then: drop the caller's previous record, hand out the
--- delivery record a:<id>:h (kept RECORD_MS for a caller cancelled before it reads the
--- reply) and end the 'r|<id>' lease.
+-- the full script reaps first) and no large element of several chunks among its
+-- elements. It does what finalize does then: drop the caller's previous record, hand
+-- out the delivery record a:<id>:h (kept RECORD_MS for a caller cancelled before it
+-- reads the reply), give one-chunk elements' chunks their TTL and end the 'r|<id>'
+-- lease.
 do
   local P = string.sub(KEYS[1], 1, -5)
   local e, id, prev = string.match(ARGV[1], '^%S+ (%S+) (%S+) (%S+)$')  -- lease, entry, id, prev
@@ -15,21 +16,27 @@ do
     if st == 'ok' and #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0 then
       local hk = P .. 'a:' .. id .. ':h'
       local vals = redis.call('LRANGE', hk, 0, -1)
-      local plain = true
+      local plain, chunks = true, {}
       for _, v in ipairs(vals) do
         local b1, b2, b3 = string.byte(v, 1, 3)
-        if b1 == 81 and b2 == 82 and b3 == 124 then plain = false end  -- 'QR|'
+        if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|': one chunk only
+          local bid = string.match(v, '^QR|([^|]+)|1|%d+$')
+          if bid then chunks[#chunks + 1] = P .. 'b:' .. bid .. ':0' else plain = false end
+        end
       end
       if plain and (#vals > 0 or redis.call('EXISTS', hk) == 1) then
         if prev ~= '-' then  -- drop_record (queue_common.lua)
           local bk = P .. 'b:' .. prev
-          redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
+          redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
         end
         redis.call('DEL', P .. 'a:' .. id .. ':s', P .. 'a:' .. id .. ':w')
         if redis.call('ZREM', lease, 'r|' .. id) > 0 then
           redis.call('HINCRBY', KEYS[1], 'w', -1)
         end
         redis.call('PEXPIRE', hk, 60000)  -- RECORD_MS
+        for _, ck in ipairs(chunks) do  -- delivered: expire unless dropped first
+          redis.call('PEXPIRE', ck, 600000)  -- CHUNK_TTL_MS
+        end
         return {'ok', vals}
       end
     end
@@ -45,7 +52,7 @@ do
         and #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0 then
       if prev ~= '-' then  -- drop_record (queue_common.lua)
         local bk = P .. 'b:' .. prev
-        redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
+        redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
       end
       redis.call('DEL', P .. 'a:' .. id .. ':s', P .. 'a:' .. id .. ':w')
       if redis.call('ZSCORE', lease, 'r|' .. id) then

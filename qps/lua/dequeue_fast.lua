@@ -40,7 +40,7 @@ do
   n = tonumber(n)
   if prev and prev ~= '-' then  -- drop_record (queue_common.lua)
     local bk = P .. 'b:' .. prev
-    redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u')
+    redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
   end
   local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
   local items = P .. 'items'
@@ -60,6 +60,13 @@ do
     if x == 0 and n == 1 then
       -- one plain element: moved into the delivery record in one call
       local v = redis.call('LMOVE', items, hk, 'LEFT', 'RIGHT')
+      if v then  -- an element stored out of line in one chunk: the chunk goes along
+        local given = fast_take_chunk(P, v, id)
+        if given ~= v then
+          redis.call('LSET', hk, -1, given)
+          v = given
+        end
+      end
       if v and acked == '1' then
         redis.call('ZADD', lease, now_ms() + tonumber(ms), 'r|' .. id)
         redis.call('HINCRBY', KEYS[1], 'w', '1')

@@ -3,14 +3,16 @@
 -- part falls through). It covers the common case with none of the full script's
 -- set-up: an open list queue (FIFO, padding) with no attempt pending and room
 -- for every element, none of them a reference to a large element's chunks (one batch
--- entry 'QB|...' alone is fine: its buffer's keys are persisted here). Anything else,
--- or a tombstone of this attempt, falls through to the full script.
+-- entry 'QB|...', or one reference 'QR|<bid>|1|...' to an element in one chunk, alone is
+-- fine: its keys are persisted here). Anything else, or a tombstone of this attempt,
+-- falls through to the full script.
 -- A second case: one value for the one attempt pending, a dequeue waiting on an empty
 -- queue with its lease valid, for exactly what the value stands for: a plain element
--- for a dequeue of one (acknowledged or not), or a buffer's batch entry 'QB|...' for a
--- dequeue that is not acknowledged of exactly its rows. Hand it over as the full
--- script's flush would (its delivery record, the 'r|' lease, its outcome and wake
--- token; a buffer goes along renamed after the attempt, as hand_over does).
+-- or a one-chunk reference for a dequeue of one (acknowledged or not), or a buffer's
+-- batch entry 'QB|...' for a dequeue that is not acknowledged of exactly its rows. Hand
+-- it over as the full script's flush would (its delivery record, the 'r|' lease, its
+-- outcome and wake token; a buffer goes along renamed after the attempt, as hand_over
+-- does, and so does a chunk, as the dequeue fast path does).
 -- Both hold with acknowledged deliveries held by consumers ('r|' leases: w counts them
 -- too) as long as none of those leases has run out (the full script would put those
 -- elements back first).
@@ -38,8 +40,10 @@ do
       rows = tonumber(rows)
     end
     local count = bid and rows or 1
+    -- an element stored out of line in one chunk: 'QR|<cid>|1|<bytes>'
+    local cid = ref and b2 == 82 and string.match(v, '^QR|([^|]+)|1|%d+$')
     local dw = P .. 'dw'
-    if (not ref or bid) and (cap < 0 or count <= cap)
+    if (not ref or bid or cid) and (cap < 0 or count <= cap)
         and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', dw) == 1
         and redis.call('LLEN', P .. 'items') == 0
         and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
@@ -53,6 +57,14 @@ do
           and (W == 1 or not lapsed(lease, now)) then
         if bid then  -- the buffer goes along (fast_common.lua), else the full script
           v = fast_hand_over(P, bid, did, first, rows, size)
+        elseif cid then  -- the chunk goes along (fast_common.lua): held chunks persist,
+          v = fast_take_chunk(P, v, did)  -- delivered ones expire unless dropped first
+          local ck = P .. 'b:' .. string.match(v, '^QR|([^|]+)|') .. ':0'
+          if string.sub(mode, -1) == 'A' then
+            redis.call('PERSIST', ck)
+          else
+            redis.call('PEXPIRE', ck, 600000)  -- CHUNK_TTL_MS
+          end
         end
       else
         v = nil
@@ -86,7 +98,7 @@ do
     local plain = id ~= nil
     local count = n  -- elements
     -- A batch of rows of one buffer: 'QB|<bid>|<first row>|<rows>|<row bytes>'.
-    local bid, rows
+    local bid, rows, chunk
     if n == 1 then
       bid, rows = string.match(ARGV[2], '^QB|([^|]+)|%d+|(%d+)|%d+$')
     end
@@ -98,6 +110,10 @@ do
         if b1 == 81 and (b2 == 82 or b2 == 83 or b2 == 66) and b3 == 124 then
           plain = false  -- a QR|, QS| or QB| reference
         end
+      end
+      if id and not plain and n == 1 then  -- one element stored out of line in one chunk
+        chunk = string.match(ARGV[2], '^QR|([^|]+)|1|%d+$')
+        plain = chunk ~= nil
       end
     end
     if plain and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
@@ -114,6 +130,8 @@ do
           redis.call('PERSIST', P .. 'b:' .. bid)
           redis.call('PERSIST', P .. 'b:' .. bid .. ':u')
           redis.call('HINCRBY', KEYS[1], 'x', count - 1)
+        elseif chunk then
+          redis.call('PERSIST', P .. 'b:' .. chunk .. ':0')
         end
         redis.call('HINCRBY', KEYS[1], 'enq', count)
         return {'ok'}

@@ -19,3 +19,19 @@ local function fast_hand_over(P, bid, id, first, rows, size)
   redis.call('PEXPIRE', nk .. ':u', 60000)
   return string.format('QB|%s|%s|%d|%s', id, first, rows, size)
 end
+
+-- A reference 'QR|<bid>|1|<bytes>' to an element stored out of line in one chunk
+-- b:<bid>:0, taken by attempt <id>: the chunk is renamed b:<id>:0, so that the consumer
+-- reads it in the take's own round trip (it sends GET b:<id>:0 after the script) and
+-- its next dequeue drops it with the delivery record (drop_record). Returns the
+-- reference to deliver: renamed, or v itself (not such a reference, or no chunk).
+local function fast_take_chunk(P, v, id)
+  local b1, b2, b3 = string.byte(v, 1, 3)
+  if not (b1 == 81 and b2 == 82 and b3 == 124) then return v end
+  local bid, size = string.match(v, '^QR|([^|]+)|1|(%d+)$')
+  if not bid or bid == id then return v end
+  local ck = P .. 'b:' .. bid .. ':0'
+  if redis.call('EXISTS', ck) == 0 then return v end
+  redis.call('RENAME', ck, P .. 'b:' .. id .. ':0')
+  return 'QR|' .. id .. '|1|' .. size
+end

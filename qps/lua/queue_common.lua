@@ -293,7 +293,7 @@ end
 -- took (hand_over).
 local function drop_record(id)
   local bk = P .. 'b:' .. id
-  redis.call('DEL', akey(id, 'h'), bk, bk .. ':u')
+  redis.call('DEL', akey(id, 'h'), bk, bk .. ':u', bk .. ':0')
 end
 
 local function size()

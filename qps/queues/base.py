@@ -55,21 +55,26 @@ from qps.queues.large import (
     BATCH_MIN_BYTES,
     BATCH_REF,
     CHUNK_BYTES,
+    ONE_CHUNK_MIN_BYTES,
     REF,
     Run,
     batch_commands,
     batch_runs,
+    chunk_of,
     encode_element,
     fetch_large,
     handed_rows,
     inline_rows,
     is_ref,
+    one_chunk,
     place_rows,
     read_batch_rows,
     read_commands,
     release_args,
     store_large,
+    taken_chunk,
 )
+from qps.queues.large import nbytes as blob_bytes
 from qps.queues.spec import QueueSpec, Shape, dtype_name, format_shape, is_string
 from qps.queues.waiters import LEASE_MS, default_client, waiters_of
 from qps.transport import BLOCK_SECONDS, Client, map_errors
@@ -231,6 +236,7 @@ class QueueBase:
         self._forget = ""  # id of our last delivery record, dropped with the next call
         self._waited = False  # whether our last dequeue attempt had to wait
         self._saw_entries = False  # whether a batch entry was ever delivered to us
+        self._saw_refs = False  # whether an element stored out of line was delivered to us
         # the fixed-shape batch fast path needs one element length: strings vary in width
         self._fixed = spec.fully_defined and not any(is_string(d) for d in spec.dtypes)
         # one-element enqueues and dequeues skip the general codec where elements are
@@ -703,6 +709,14 @@ class QueueBase:
             blobs, before = batch_commands(
                 self._prefix, aid, buffer, len(blobs), self._spec.kind in ("fifo", "padding")
             )
+        elif (
+            len(blobs) == 1
+            and not isinstance(blobs[0], list)
+            and ONE_CHUNK_MIN_BYTES < blob_bytes(blobs[0]) <= CHUNK_BYTES
+            and self._spec.kind in ("fifo", "padding")
+        ):  # out of Lua: one chunk, written in the script's round trip
+            ref, store = one_chunk(self._prefix, aid, blobs[0])
+            blobs, before = [ref], [store]
         else:
             blobs = await store_large(client, self._prefix, aid, blobs)
         if order is not None:
@@ -854,10 +868,19 @@ class QueueBase:
             and self._spec.kind in ("fifo", "padding")
             and (mode != "one" or self._saw_entries)
         )
+        # A one-chunk element taken alone takes its chunk along (renamed after the
+        # attempt: see fast_take_chunk in fast_common.lua), read in the same round trip
+        # too. Asked for once this queue object has seen an element stored out of line.
+        chunked = mode == "one" and self._saw_refs and self._spec.kind in ("fifo", "padding")
         while True:
             need = n - len(got)
             aid = client.new_id()
             sink: list[Any] = []
+            lead: list[tuple[Any, ...]] = []
+            if handed:
+                lead.append((b"GET", f"{self._prefix}b:{aid}"))
+            if chunked:
+                lead.append((b"GET", chunk_of(self._prefix, aid)))
             reply = await self._attempt(
                 client,
                 "dequeue",
@@ -868,27 +891,35 @@ class QueueBase:
                 timeout,
                 "dequeue",
                 may_wait=not nowait,
-                after=(*(((b"GET", f"{self._prefix}b:{aid}"),) if handed else ()), *then),
+                after=(*lead, *then),
                 sink=sink,
             )
             status = reply[0]
             if status == b"ok":
                 if then_out is not None:  # the replies to `then`, if they came with this
-                    lead = int(handed)
-                    then_out[:] = sink[lead:] if len(sink) == lead + len(then) else []
-                    del sink[lead:]
+                    then_out[:] = sink[len(lead) :] if len(sink) == len(lead) + len(then) else []
+                    del sink[len(lead) :]
+                # the buffer and the chunk read with the reply (an error in its place, or
+                # missing: read them anew)
+                data = chunk = None
+                if sink:
+                    read = [None if isinstance(r, BaseException) else r for r in sink]
+                    data = read[0] if handed else None
+                    chunk = read[int(handed)] if chunked and len(read) > int(handed) else None
                 stored = reply[1]
                 blobs = self._strip_keys(stored)
                 if acked is not None:
                     acked.append(aid)
                     acked.refs = acked.refs or any(is_ref(b) for b in blobs)
                 joined = None
-                # the buffer read with the reply (an error in its place: read them anew)
-                data = sink[0] if sink and not isinstance(sink[0], BaseException) else None
                 rows = handed_rows(aid, blobs, data)
+                taken = None if chunk is None else taken_chunk(aid, blobs, chunk)
                 if rows is not None:
                     blobs, joined = rows
+                elif taken is not None:
+                    blobs = taken
                 elif any(is_ref(b) for b in blobs):
+                    self._saw_refs = self._saw_refs or any(b[:3] == REF for b in blobs)
                     self._saw_entries = self._saw_entries or any(
                         b[:3] == BATCH_ENTRY for b in blobs
                     )
