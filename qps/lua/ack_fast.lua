@@ -29,7 +29,7 @@ do
         for _, v in ipairs(redis.call('LRANGE', P .. 'a:' .. ids[i] .. ':h', 0, -1)) do
           local b1, b2, b3 = string.byte(v, 1, 3)
           if b1 == 81 and (b2 == 82 or b2 == 83 or b2 == 66) and b3 == 124 then
-            local bid = b2 == 82 and string.match(v, '^QR|([^|]+)|1|%d+$')
+            local bid = b2 == 82 and one_chunk_bid(v)
             if bid then  -- one chunk: dropped with the record
               chunks[#chunks + 1] = P .. 'b:' .. bid .. ':0'
             else

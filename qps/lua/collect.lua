@@ -2,7 +2,7 @@
 -- Run by a blocked caller after each wait: the outcome if its attempt finished, else
 -- {'pending'} after renewing its lease. Also reaps attempts of dead callers.
 local E, ID = A[2], A[3]
-if A[4] ~= '-' then drop_record(A[4]) end
+if A[4] ~= '-' then fast_drop_record(P, A[4]) end  -- fast_common.lua
 if reap() or CLOSED then flush() end  -- closed: a wait on held elements may end
 local st = redis.call('GET', akey(ID, 's'))
 if st then return finalize(ID, st, acked_entry(E)) end

@@ -20,15 +20,12 @@ do
       for _, v in ipairs(vals) do
         local b1, b2, b3 = string.byte(v, 1, 3)
         if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|': one chunk only
-          local bid = string.match(v, '^QR|([^|]+)|1|%d+$')
+          local bid = one_chunk_bid(v)
           if bid then chunks[#chunks + 1] = P .. 'b:' .. bid .. ':0' else plain = false end
         end
       end
       if plain and (#vals > 0 or redis.call('EXISTS', hk) == 1) then
-        if prev ~= '-' then  -- drop_record (queue_common.lua)
-          local bk = P .. 'b:' .. prev
-          redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
-        end
+        if prev ~= '-' then fast_drop_record(P, prev) end  -- fast_common.lua
         redis.call('DEL', P .. 'a:' .. id .. ':s', P .. 'a:' .. id .. ':w')
         if redis.call('ZREM', lease, 'r|' .. id) > 0 then
           redis.call('HINCRBY', KEYS[1], 'w', -1)
@@ -50,10 +47,7 @@ do
     local st = redis.call('GET', P .. 'a:' .. id .. ':s')
     if st == 'ok' and redis.call('HGET', KEYS[1], 'closed') == '0'
         and #redis.call('ZRANGEBYSCORE', lease, '-inf', now, 'LIMIT', 0, 1) == 0 then
-      if prev ~= '-' then  -- drop_record (queue_common.lua)
-        local bk = P .. 'b:' .. prev
-        redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
-      end
+      if prev ~= '-' then fast_drop_record(P, prev) end  -- fast_common.lua
       redis.call('DEL', P .. 'a:' .. id .. ':s', P .. 'a:' .. id .. ':w')
       if redis.call('ZSCORE', lease, 'r|' .. id) then
         return {'ok', redis.call('LRANGE', P .. 'a:' .. id .. ':h', 0, -1)}

@@ -10,7 +10,7 @@ local WAKE = (A[8] == '1')
 
 local function attempt()
   local E = 'd|' .. A[3] .. '|' .. MODE .. (ACKED and 'A' or '') .. '|' .. ID
-  if A[6] ~= '-' then drop_record(A[6]) end
+  if A[6] ~= '-' then fast_drop_record(P, A[6]) end  -- fast_common.lua
   if not KIND then return {'gone'} end
   if redis.call('EXISTS', akey(ID, 's')) == 1 then return {'aborted'} end
   reap()

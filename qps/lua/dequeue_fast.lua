@@ -38,10 +38,7 @@ do
     end
   end
   n = tonumber(n)
-  if prev and prev ~= '-' then  -- drop_record (queue_common.lua)
-    local bk = P .. 'b:' .. prev
-    redis.call('DEL', P .. 'a:' .. prev .. ':h', bk, bk .. ':u', bk .. ':0')
-  end
+  if prev and prev ~= '-' then fast_drop_record(P, prev) end  -- fast_common.lua
   local M = redis.call('HMGET', KEYS[1], 'kind', 'closed', 'w', 'x')
   local items = P .. 'items'
   local lease = P .. 'lease'

@@ -41,7 +41,7 @@ do
     end
     local count = bid and rows or 1
     -- an element stored out of line in one chunk: 'QR|<cid>|1|<bytes>'
-    local cid = ref and b2 == 82 and string.match(v, '^QR|([^|]+)|1|%d+$')
+    local cid = ref and b2 == 82 and one_chunk_bid(v)
     local dw = P .. 'dw'
     if (not ref or bid or cid) and (cap < 0 or count <= cap)
         and redis.call('LLEN', P .. 'ew') == 0 and redis.call('LLEN', dw) == 1
@@ -58,8 +58,8 @@ do
         if bid then  -- the buffer goes along (fast_common.lua), else the full script
           v = fast_hand_over(P, bid, did, first, rows, size)
         elseif cid then  -- the chunk goes along (fast_common.lua): held chunks persist,
-          v = fast_take_chunk(P, v, did)  -- delivered ones expire unless dropped first
-          local ck = P .. 'b:' .. string.match(v, '^QR|([^|]+)|') .. ':0'
+          local ck  -- delivered ones expire unless dropped first
+          v, ck = fast_take_chunk(P, v, did)
           if string.sub(mode, -1) == 'A' then
             redis.call('PERSIST', ck)
           else
@@ -112,7 +112,7 @@ do
         end
       end
       if id and not plain and n == 1 then  -- one element stored out of line in one chunk
-        chunk = string.match(ARGV[2], '^QR|([^|]+)|1|%d+$')
+        chunk = one_chunk_bid(ARGV[2])
         plain = chunk ~= nil
       end
     end

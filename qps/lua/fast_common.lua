@@ -20,18 +20,32 @@ local function fast_hand_over(P, bid, id, first, rows, size)
   return string.format('QB|%s|%s|%d|%s', id, first, rows, size)
 end
 
--- A reference 'QR|<bid>|1|<bytes>' to an element stored out of line in one chunk
--- b:<bid>:0, taken by attempt <id>: the chunk is renamed b:<id>:0, so that the consumer
--- reads it in the take's own round trip (it sends GET b:<id>:0 after the script) and
--- its next dequeue drops it with the delivery record (drop_record). Returns the
--- reference to deliver: renamed, or v itself (not such a reference, or no chunk).
+-- The <bid> of a reference 'QR|<bid>|1|<bytes>' to an element stored out of line in one
+-- chunk, b:<bid>:0; nil for any other value.
+local function one_chunk_bid(v)
+  return string.match(v, '^QR|([^|]+)|1|%d+$')
+end
+
+-- Such a reference taken by attempt <id>: the chunk is renamed b:<id>:0, so that the
+-- consumer reads it in the take's own round trip (it sends GET b:<id>:0 after the
+-- script) and its next dequeue drops it with the delivery record (fast_drop_record).
+-- Returns the reference to deliver (renamed, or v itself: not such a reference, or no
+-- chunk) and its chunk's key (nil if v is not such a reference).
 local function fast_take_chunk(P, v, id)
   local b1, b2, b3 = string.byte(v, 1, 3)
-  if not (b1 == 81 and b2 == 82 and b3 == 124) then return v end
-  local bid, size = string.match(v, '^QR|([^|]+)|1|(%d+)$')
-  if not bid or bid == id then return v end
+  if not (b1 == 81 and b2 == 82 and b3 == 124) then return v, nil end
+  local bid = one_chunk_bid(v)
+  if not bid then return v, nil end
   local ck = P .. 'b:' .. bid .. ':0'
-  if redis.call('EXISTS', ck) == 0 then return v end
-  redis.call('RENAME', ck, P .. 'b:' .. id .. ':0')
-  return 'QR|' .. id .. '|1|' .. size
+  if bid == id or redis.call('EXISTS', ck) == 0 then return v, ck end
+  local nk = P .. 'b:' .. id .. ':0'
+  redis.call('RENAME', ck, nk)
+  return 'QR|' .. id .. string.sub(v, #bid + 4), nk
+end
+
+-- The caller of dequeue <id> is done with its delivery: drop the record,
+-- and a buffer (fast_hand_over) or a chunk (fast_take_chunk) it took.
+local function fast_drop_record(P, id)
+  local bk = P .. 'b:' .. id
+  redis.call('DEL', P .. 'a:' .. id .. ':h', bk, bk .. ':u', bk .. ':0')
 end

@@ -278,7 +278,7 @@ end
 -- of its buffer takes the buffer: it is renamed b:<id> (and its count b:<id>:u), id the
 -- dequeue's, so that the caller reads it in the same round trip as the reply (it
 -- pipelines GET b:<id> after the script). It then expires with the delivery record
--- (RECORD_MS), unless the caller's next dequeue drops it first (drop_record) or the
+-- (RECORD_MS), unless the caller's next dequeue drops it first (fast_drop_record) or the
 -- delivery is undone: putting the entry back persists the buffer under its new name.
 -- Returns vals, or the entry renamed.
 local function hand_over(id, vals)
@@ -287,13 +287,6 @@ local function hand_over(id, vals)
   if not bid then return vals end
   local given = fast_hand_over(P, bid, id, first, rows, size)  -- fast_common.lua
   return given and {given} or vals
-end
-
--- The caller of dequeue id is done with its delivery: drop the record and a buffer it
--- took (hand_over).
-local function drop_record(id)
-  local bk = P .. 'b:' .. id
-  redis.call('DEL', akey(id, 'h'), bk, bk .. ':u', bk .. ':0')
 end
 
 local function size()
