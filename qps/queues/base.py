@@ -237,6 +237,7 @@ class QueueBase:
         self._waited = False  # whether our last dequeue attempt had to wait
         self._saw_entries = False  # whether a batch entry was ever delivered to us
         self._saw_refs = False  # whether an element stored out of line was delivered to us
+        self._list = spec.kind in ("fifo", "padding")  # its elements in a list, in order
         # the fixed-shape batch fast path needs one element length: strings vary in width
         self._fixed = spec.fully_defined and not any(is_string(d) for d in spec.dtypes)
         # one-element enqueues and dequeues skip the general codec where elements are
@@ -706,14 +707,12 @@ class QueueBase:
         buffer = _rows_buffer(blobs)
         before: list[tuple[Any, ...]] = []
         if buffer is not None:
-            blobs, before = batch_commands(
-                self._prefix, aid, buffer, len(blobs), self._spec.kind in ("fifo", "padding")
-            )
+            blobs, before = batch_commands(self._prefix, aid, buffer, len(blobs), self._list)
         elif (
             len(blobs) == 1
             and not isinstance(blobs[0], list)
             and ONE_CHUNK_MIN_BYTES < blob_bytes(blobs[0]) <= CHUNK_BYTES
-            and self._spec.kind in ("fifo", "padding")
+            and self._list
         ):  # out of Lua: one chunk, written in the script's round trip
             ref, store = one_chunk(self._prefix, aid, blobs[0])
             blobs, before = [ref], [store]
@@ -863,15 +862,11 @@ class QueueBase:
         # (renamed b:<aid>: see hand_over in queue_common.lua), read in the same round
         # trip as the reply. Asked for with batch dequeues, and with single ones once
         # this queue object has seen a batch entry.
-        handed = (
-            acked is None
-            and self._spec.kind in ("fifo", "padding")
-            and (mode != "one" or self._saw_entries)
-        )
+        handed = acked is None and self._list and (mode != "one" or self._saw_entries)
         # A one-chunk element taken alone takes its chunk along (renamed after the
         # attempt: see fast_take_chunk in fast_common.lua), read in the same round trip
         # too. Asked for once this queue object has seen an element stored out of line.
-        chunked = mode == "one" and self._saw_refs and self._spec.kind in ("fifo", "padding")
+        chunked = mode == "one" and self._saw_refs and self._list
         while True:
             need = n - len(got)
             aid = client.new_id()
