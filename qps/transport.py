@@ -577,9 +577,15 @@ class Client:
         keys: Sequence[str],
         args: ScriptArgs,
         after: Sequence[Sequence[Any]],
+        *,
+        once: bool = False,
     ) -> tuple[Any, list[Any]]:
         """Run script ``name`` and then plain commands, in one round trip; return the
         script's reply and the commands' (an error reply in its place, not raised).
+
+        Should the server lack the script, it is loaded and run, and the commands run
+        again after it; with ``once`` they are not (writes that must not run twice:
+        they ran then before the script).
 
         Raises:
             UnavailableError: the server cannot be reached.
@@ -594,7 +600,8 @@ class Client:
                 if reply.code != "NOSCRIPT":
                     raise translate(reply) from reply
                 reply = await self._load_then_run(conn, script, command)
-                replies = await conn.call_many(after)
+                if not once:
+                    replies = await conn.call_many(after)
             return reply, replies
         reply = await self.run_script(name, keys, args)
         with map_errors():
@@ -1184,12 +1191,16 @@ class ClusterClient(Client):
         keys: Sequence[str],
         args: ScriptArgs,
         after: Sequence[Sequence[Any]],
+        *,
+        once: bool = False,
     ) -> tuple[Any, list[Any]]:
         child = self._node_for(keys[0]) if keys else None
         if child is None:
-            return await super().run_script_then_commands(name, keys, args, after)
+            return await super().run_script_then_commands(name, keys, args, after, once=once)
         return await self._routed(
-            keys[0], child, lambda c: c.run_script_then_commands(name, keys, args, after)
+            keys[0],
+            child,
+            lambda c: c.run_script_then_commands(name, keys, args, after, once=once),
         )
 
     async def wait_then_script(

@@ -123,6 +123,8 @@ def test_shard_process_sigterm_status_dlq_finish(
     push(redis_url, container, [np.nan, 2.0], 1)  # quarantined
     push(redis_url, container, [1.0, 1.0], 2)
     wait_for(lambda: global_step(redis_url, container) == 2)
+    # the shard's stats go with its ack, a round trip after the commit
+    wait_for(lambda: run(lambda c: control.shard_status(c, container, 0), redis_url).applied == 2)
 
     r = invoke("ps", "status", "--url", redis_url, "--container", container)
     assert r.exit_code == 0, r.output

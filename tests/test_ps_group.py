@@ -265,10 +265,10 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
     first = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=60_000))
     real = Shard._settle
 
-    async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool) -> bool:
+    async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool, **kw: Any) -> bool:
         if ack:
             raise UnavailableError("Redis went away (test)")
-        return await real(self, q, ds, ack=ack)
+        return await real(self, q, ds, ack=ack, **kw)
 
     monkeypatch.setattr(Shard, "_settle", no_ack)
     with pytest.raises(UnavailableError):

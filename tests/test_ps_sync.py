@@ -4,9 +4,13 @@ counted, every worker gets a token per update; on both backends."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import numpy as np
 import pytest
 
+from qps import keys
 from qps.errors import InvalidArgumentError
 from qps.optimizers import SGD
 from qps.ps import control
@@ -164,13 +168,18 @@ async def test_only_gradients_that_may_be_applied_are_looked_up(
     mine = GradientMessage(
         worker="w0", step=2, shard=0, nonce="mine.1", grads=grad(1), global_step=True
     )
-    real_ack = QueueBase.ack
-    lost = [True]
 
-    async def ack(self: QueueBase, delivery: Delivery) -> None:
-        await real_ack(self, delivery)
-        if lost and self.name == grads.name and len(delivery.tokens) == 2:
-            lost.clear()
+    async def released() -> bool:  # update 2's ack is done: its ids were let go
+        return not await a.client.commands.zcard(keys.variable_applied(C, "w"))
+
+    await until(released)
+    real_ack = QueueBase.ack
+    lost = asyncio.Event()
+
+    async def ack(self: QueueBase, delivery: Delivery, **kw: Any) -> None:
+        await real_ack(self, delivery, **kw)
+        if not lost.is_set() and self.name == grads.name and len(delivery.tokens) == 2:
+            lost.set()
             raise AbortedError("the delivery's lease ran out (test)")
 
     monkeypatch.setattr(QueueBase, "ack", ack)
@@ -180,7 +189,7 @@ async def test_only_gradients_that_may_be_applied_are_looked_up(
     # ("w0", 2) too if the shard took it after the update-ahead one, in another round
     assert asked[2] == ("w1", 3) and set(asked[3:]) <= {("w0", 2)}
     assert (await a.pull("w")).value.tolist() == [-6.0, -6.0]
-    assert not lost
+    await asyncio.wait_for(lost.wait(), 10)  # the update's ack (after its tokens) failed
     seen = len(asked)
     for m in (ahead, mine):  # redelivered
         await grads.enqueue(np.frombuffer(encode_message(m), np.uint8))
@@ -231,3 +240,53 @@ async def test_a_token_brings_the_parameters_read_after_it(make_client) -> None:
     token, replies = await mine.take_then(mine.size_commands(), 20)
     assert token == 2 and mine.size_of(replies) == 2 == await mine.size()
     assert await mine.take_all() == [3, 4] and await mine.take_all() == []
+
+
+async def test_tokens_go_with_the_commit_only_if_it_took(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a single server an update's tokens are given by a last script in the commit's
+    round trip, which checks that every commit took: a variable a checkpoint holds
+    refuses its commit, and then no token is given until the commit has waited for the
+    hold and landed (a worker never takes a token ahead of the update it names)."""
+    from qps.errors import DeadlineExceededError
+    from qps.ps.shard import Shard
+
+    later = []
+    real = Shard._sync_tokens
+
+    async def after_the_commit(self: Shard, step: int) -> object:
+        later.append(step)
+        return await real(self, step)
+
+    monkeypatch.setattr(Shard, "_sync_tokens", after_the_commit)
+    a, b = await job.session("w0"), await job.session("w1")
+    await control.configure(a.client, C, 1, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    await job.shard(0, 1)
+    tok0, tok1 = control.tokens(a.client, C, 0), control.tokens(a.client, C, 1)
+
+    def grad(g: float) -> dict[str, np.ndarray]:
+        return {"w": np.array([g, g], np.float32)}
+
+    await a.push(grad(1), step=0)
+    await b.push(grad(3), step=0)
+    assert (await tok0.take_then([], 10))[0] == 1 and (await tok1.take_then([], 10))[0] == 1
+    assert (await a.pull("w")).value.tolist() == [-2.0, -2.0]
+    assert later == []  # given in the commit's round trip
+
+    meta = keys.variable_meta(C, "w")
+    far = int((await a.client.commands.time())[0]) * 1000 + 600_000
+    await a.client.commands.hset(meta, mapping={"hold": far, "hold_by": "test"})
+    await a.push(grad(1), step=1)
+    await b.push(grad(3), step=1)
+    with pytest.raises(DeadlineExceededError):  # the commit waits for the hold
+        await tok0.take_then([], 0.3)
+    assert (await a.pull("w")).value.tolist() == [-2.0, -2.0]
+    await a.client.commands.hdel(meta, "hold", "hold_by")  # the checkpoint's release
+    await a.client.commands.rpush(keys.variable_prefix(C, "w") + "unheld", 1)
+    assert (await tok0.take_then([], 10))[0] == 2 and (await tok1.take_then([], 10))[0] == 2
+    assert (await a.pull("w")).value.tolist() == [-4.0, -4.0]
+    assert later == [2]  # given the usual way, once the commit was done
+    assert await a.global_step() == 2

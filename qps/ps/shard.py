@@ -122,6 +122,10 @@ THREAD_MIN_BYTES = 1 << 20
 #: enough to keep the apply busy, while the buffers of large messages stay few enough
 #: to be reused (qps.buffers) rather than mapped afresh.
 READ_AHEAD_BYTES = 64 << 20
+#: A group's release (its ids let go, its stats written) goes with the next ack, a
+#: round trip less per group; a shard that waits this long for messages sends it alone
+#: (seconds).
+RELEASE_IDLE_S = 0.05
 
 
 class LeaseLostError(FailedPreconditionError):
@@ -170,6 +174,35 @@ local old = '(' .. string.format('%.0f', now - tonumber(ARGV[1]))
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', old)
 if n == 0 then return {0, redis.call('GET', KEYS[1]) or '0'} end
 return {n, redis.call('INCRBY', KEYS[1], n)}
+"""
+
+# Synchronous training on a single server: the workers' tokens, sent in the commit's
+# round trip, after its scripts, and given only if the update committed.
+# KEYS: the updated variables' metas, the workers' token lists, the global step's
+# applied ids ('' when another shard counts it: else the update's id 'sync.<step>' is
+# among them), the update's done counter ('' with one shard holding variables).
+# ARGV: the number of variables, the shard's fencing token, each variable's version
+# once committed, the update's step, the shards that hold variables.
+# Reply: 1 tokens given; 2 counted, another shard gives them; 0 the update is not (all)
+# committed: nothing done.
+_TOKENS_IF_COMMITTED = """
+local n = tonumber(ARGV[1])
+for i = 1, n do
+  local m = redis.call('HMGET', KEYS[i], 'token', 'ver')
+  if tonumber(m[1]) ~= tonumber(ARGV[2]) or tonumber(m[2]) ~= tonumber(ARGV[2 + i]) then
+    return 0
+  end
+end
+local step, needed = ARGV[3 + n], tonumber(ARGV[4 + n])
+local gs, done = KEYS[#KEYS - 1], KEYS[#KEYS]
+if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return 0 end
+if needed > 1 then
+  local count = redis.call('INCR', done)
+  redis.call('PEXPIRE', done, 3600000)
+  if count ~= needed then return 2 end
+end
+for i = n + 1, #KEYS - 2 do redis.call('RPUSH', KEYS[i], step) end
+return 1
 """
 
 
@@ -453,6 +486,7 @@ class Shard:
         self._queue: QueueBase | None = None
         self._lease_script = client.commands.register_script(_LEASE)
         self._step_script = client.commands.register_script(_COUNT_STEPS)
+        self._tokens_script = client.commands.register_script(_TOKENS_IF_COMMITTED)
         self.applied = 0
         self.skipped = 0
         self.dead = 0
@@ -481,6 +515,9 @@ class Shard:
         self._gs_opened = False  # the global-step counter created and registered
         self._scripts_loaded = False  # the commit scripts loaded (run by SHA at once)
         self._commit_seconds = 0.0  # how long the last group commit took
+        #: the last groups' releases (their ids, their stats), acked and not yet sent:
+        #: they go with the next ack, or once the shard has waited RELEASE_IDLE_S
+        self._release_later: list[tuple[Any, ...]] = []
         self.metrics = (metrics or _metrics.default()).shard(self.container, o.shard)
 
     # -- control ---------------------------------------------------------------------------
@@ -732,6 +769,10 @@ class Shard:
 
         try:
             while not self._stop.is_set():
+                if self._release_later and not ready():  # idle a while: release now
+                    await inbox.until(ready, RELEASE_IDLE_S)
+                    if not ready():
+                        await self._release_now()
                 await inbox.until(ready)
                 if self._stop.is_set():
                     break
@@ -759,6 +800,7 @@ class Shard:
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
             if self._settling is not None:  # unacked, its messages come again: applied
                 await _quietly(self._settled())
+            await _quietly(self._release_now())
             left: list[Delivery] = []
             for it in (*self._acc.items, *inbox.items):  # each delivery once, in order
                 if it.delivery is not None and not any(d is it.delivery for d in left):
@@ -838,9 +880,14 @@ class Shard:
             except QpsError as exc:
                 self.log.warning("could not renew the deliveries' leases: %s", exc)
 
-    async def _settle(self, q: QueueBase, ds: list[Delivery], *, ack: bool) -> bool:
+    async def _settle(
+        self, q: QueueBase, ds: list[Delivery], *, ack: bool, count: _Group | None = None
+    ) -> bool:
         """Ack (or nack) deliveries in one call and stop holding them. An ack returns
-        False if a lease had run out (those messages come again); a nack never raises."""
+        False if a lease had run out (those messages come again); a nack never raises.
+
+        An ack carries in its round trip (on a single server) the releases of the
+        groups acked before, and ``count``'s stats: see :meth:`_counted_with`."""
         gone = {id(d) for d in ds}
         self._held = [d for d in self._held if id(d) not in gone]  # by identity
         for d in ds:
@@ -848,8 +895,15 @@ class Shard:
         if not ack:
             await _quietly(asyncio.shield(q.nack(_joined(ds))))
             return True
+        joined = _joined(ds)
+        after: list[tuple[Any, ...]] = []
+        if not self.client.cluster:
+            if count is not None:
+                self._release_later += self._stats_commands(count)
+            if joined.tokens:  # what waits for an ack goes with this one
+                after, self._release_later = self._release_later, []
         try:
-            await q.ack(_joined(ds))
+            await q.ack(joined, after=after)
         except AbortedError as exc:
             self.log.warning("%s", exc)
             return False
@@ -919,13 +973,13 @@ class Shard:
             await self._settle(q, g.deliveries, ack=False)
             return
         try:
-            acked = await self._settle(q, g.deliveries, ack=True)
+            acked = await self._settle(q, g.deliveries, ack=True, count=g)
         except BaseException:  # give them back now (they are skipped) if Redis lets us
             await self._settle(q, g.deliveries, ack=False)
             raise
         if not acked:
             return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
-        await self._released(g)
+        await self._released(g, self._counted_with())
 
     def _drop_payloads(self, g: _Group) -> None:
         """Let go of the bytes of the group's deliveries, applied or dead-lettered by
@@ -1094,7 +1148,8 @@ class Shard:
         message ids in one script each, the variables concurrently: each commit is atomic
         on its own) and advance the global step alongside (it records the ids too)."""
         failure: BaseException | None = None
-        for name, r in await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids):
+        failed, _ = await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids)
+        for name, r in failed:
             if isinstance(r, AlreadyAppliedError):
                 # cannot happen with one writer; our copy was changed: reload it, and
                 # have the group delivered again (what this variable lacks is applied then)
@@ -1114,21 +1169,26 @@ class Shard:
         touched: set[str],
         updates: int | None = None,
         gs_ids: Sequence[str] = (),
-    ) -> list[tuple[str, BaseException]]:
+        tokens: int | None = None,
+    ) -> tuple[list[tuple[str, BaseException]], bool]:
         """Commit the variables of ``pending``, then advance the global step by ``gs_ids``
         (each commit is atomic on its own, and records the ids with its state, so each
         is exactly-once on its own: the variables' run concurrently); those committed
-        leave ``touched``. Returns the variables' failures; the global step's raises.
+        leave ``touched``. Returns the variables' failures, and whether synchronous
+        update ``tokens`` (if given) had its tokens handled here; the global step's
+        failure raises.
 
         On a single server, small dense commits go all at once: every variable's writes
-        and commit script, and the global step's script, in one round trip."""
+        and commit script, the global step's script, and the update's tokens (given
+        only if all of it committed), in one round trip."""
         names = list(pending)
-        batch = await self._commit_at_once(names, pending, updates, gs_ids)
+        batch = await self._commit_at_once(names, pending, updates, gs_ids, tokens)
         results: list[BaseException | None]
+        handed = False
         if batch is None:
             results, rest = [None] * len(names), list(range(len(names)))
         else:  # what remains: commits that did not run (script not loaded, or held)
-            results, gs_ids = batch
+            results, gs_ids, handed = batch
             rest = [k for k, r in enumerate(results) if isinstance(r, _Fallback)]
         got = await asyncio.gather(
             *(self._commit(self.owned[names[k]], pending[names[k]], updates) for k in rest),
@@ -1144,7 +1204,7 @@ class Shard:
                 touched.discard(name)
             else:
                 failed.append((name, r))
-        return failed
+        return failed, handed
 
     def _whole(self, v: _Pending) -> bool:
         """Whether a commit writes the whole variable: a dense gradient's, or any under
@@ -1164,13 +1224,16 @@ class Shard:
         pending: dict[str, _Pending],
         updates: int | None,
         gs_ids: Sequence[str],
-    ) -> tuple[list[BaseException | None], Sequence[str]] | None:
+        tokens: int | None = None,
+    ) -> tuple[list[BaseException | None], Sequence[str], bool] | None:
         """The commits of :meth:`_commit_all` in one round trip, if they are all small
         dense ones on a single server; None otherwise. Returns each variable's outcome
         (None: committed; :class:`_Fallback`: its script was not loaded, or a
         checkpoint held the variable, and it did not run: commit it again the usual
-        way) and the global-step ids still to count (``gs_ids`` unless its script ran
-        here)."""
+        way), the global-step ids still to count (``gs_ids`` unless its script ran
+        here), and whether the tokens of synchronous update ``tokens`` were handled
+        (given, or counted for the shard that gives them) by a last script that runs
+        only if every commit of the round trip took."""
         if self.client.cluster or not names:
             return None
         plans = []
@@ -1193,13 +1256,22 @@ class Shard:
             await variables.load_publish_script(self.client)
             with map_errors():
                 await self.client.commands.script_load(_COUNT_STEPS)
+                await self.client.commands.script_load(_TOKENS_IF_COMMITTED)
             self._scripts_loaded = True
         commands = [c for cmds, _ in plans for c in cmds]
         if gs_ids:
             await self._open_global_step()
             sha, gk = self._step_script.sha, self._step_keys()
             commands.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
+        if tokens is not None:
+            commands.append(await self._tokens_command(names, pending, updates, tokens, gs_ids))
         replies = await self.client.run_commands_replies(commands)
+        handed = False
+        if tokens is not None:
+            reply = replies.pop()
+            handed = not isinstance(reply, BaseException) and int(reply) != 0
+            if is_noscript(reply):
+                self._scripts_loaded = False
         results: list[BaseException | None] = []
         at = 0
         for name, (cmds, check) in zip(names, plans):
@@ -1232,7 +1304,27 @@ class Shard:
                 self._scripts_loaded = False
             else:
                 raise reply
-        return results, gs_ids
+        return results, gs_ids, handed
+
+    async def _tokens_command(
+        self,
+        names: list[str],
+        pending: dict[str, _Pending],
+        updates: int | None,
+        step: int,
+        gs_ids: Sequence[str],
+    ) -> tuple[Any, ...]:
+        """The guarded token script (``_TOKENS_IF_COMMITTED``) for update ``step``,
+        committed by the round trip's scripts (the variables of ``names``, and the
+        global step if ``gs_ids``)."""
+        lists, needed = await self._token_lists()
+        gs = keys.counter_applied(self.container, keys.GLOBAL_STEP) if gs_ids else ""
+        done = self._done_key(step) if needed > 1 else ""
+        metas = [keys.variable_meta(self.container, n) for n in names]
+        ks = [*metas, *(t.key for t in lists), gs, done]
+        versions = [self._next(self.owned[n], pending[n], updates)[1] for n in names]
+        args = [len(names), self.token, *versions, step, needed]
+        return ("EVALSHA", self._tokens_script.sha, len(ks), *ks, *args)
 
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
         """Commit ``o``'s in-memory state with the ``len(v.ids)`` messages applied to it
@@ -1360,7 +1452,10 @@ class Shard:
             gs_ids = (
                 [f"sync.{self.sync_step + 1}"] if self.shard == control.GLOBAL_STEP_SHARD else []
             )
-            for _, failure in await self._commit_all(pending, g.touched, 1, gs_ids):
+            failed, handed = await self._commit_all(
+                pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1
+            )
+            for _, failure in failed:
                 raise failure
         except BaseException:
             self._forget(g)
@@ -1369,8 +1464,8 @@ class Shard:
         self.sync_step += 1
 
         async def settle() -> None:  # the ids are released once the ack is done
-            if await self._settle(q, deliveries, ack=True):
-                await self._released(g)
+            if await self._settle(q, deliveries, ack=True, count=g):
+                await self._released(g, self._counted_with())
             # else a lease ran out: the ids stay recorded, the messages come again and
             # are found applied
 
@@ -1379,7 +1474,7 @@ class Shard:
         # process die before the ack, the messages come again and are acked as applied
         # (their ids were committed with the update). Both run while the shard gathers
         # the next update's gradients; the next update (or the loop's end) awaits them.
-        tokens = await self._sync_tokens(self.sync_step)
+        tokens = [] if handed else await self._sync_tokens(self.sync_step)
         self._settling = asyncio.ensure_future(asyncio.gather(*tokens, settle()))
 
     async def _settled(self) -> None:
@@ -1394,6 +1489,21 @@ class Shard:
         worker a token (the new global step): each is blocked on its own token list.
         Returns the writes to run (one round trip for all; none while other shards
         have not committed)."""
+        lists, needed = await self._token_lists()
+        if needed > 1:  # the last shard to commit the update hands out the tokens
+            key = self._done_key(step)
+            with map_errors():
+                pipe = self.client.commands.pipeline(transaction=True)
+                pipe.incr(key)
+                pipe.pexpire(key, 3_600_000)
+                done, _ = await pipe.execute()
+            if int(done) != needed:
+                return []
+        return [self.client.run_commands([t.put_command(step) for t in lists])]
+
+    async def _token_lists(self) -> tuple[list[control.Tokens], int]:
+        """The workers' token lists, and how many shards hold variables (each counts an
+        update done; the last one gives the tokens)."""
         assert self.sync is not None
         if self._sync_shards is None:  # placed once, at the first push of the job
             placed = await control.read_placement(self.client, self.container)
@@ -1402,17 +1512,11 @@ class Shard:
             self._tokens = [
                 control.tokens(self.client, self.container, k) for k in range(self.sync[1])
             ]
-        needed = self._sync_shards
-        if needed > 1:  # the last shard to commit the update hands out the tokens
-            key = keys.container_prefix(self.container) + f"ps:sync:done:{step}"
-            with map_errors():
-                pipe = self.client.commands.pipeline(transaction=True)
-                pipe.incr(key)
-                pipe.pexpire(key, 3_600_000)
-                done, _ = await pipe.execute()
-            if int(done) != needed:
-                return []
-        return [self.client.run_commands([t.put_command(step) for t in self._tokens])]
+        return self._tokens, self._sync_shards
+
+    def _done_key(self, step: int) -> str:
+        """The counter of the shards that committed synchronous update ``step``."""
+        return keys.container_prefix(self.container) + f"ps:sync:done:{step}"
 
     async def _advance_global_step(self, ids: list[str]) -> None:
         await self._open_global_step()
@@ -1432,11 +1536,8 @@ class Shard:
             keys.counter_applied(self.container, keys.GLOBAL_STEP),
         ]
 
-    async def _released(self, g: _Group) -> None:
-        """After the ack: forget the group's ids and count what was done."""
-        self.applied += g.fresh
-        self.skipped += g.skipped
-        self.metrics.committed(g.fresh, g.started, g.stale)
+    def _stats_commands(self, g: _Group) -> list[tuple[Any, ...]]:
+        """The writes that count a group's work in the shard's stats hash."""
         incr: dict[str, int] = {}
         if g.fresh:
             incr = {"applied": g.fresh, "rows": g.rows, "bytes": g.bytes}
@@ -1447,26 +1548,39 @@ class Shard:
             incr[k] = incr.get(k, 0) + 1
         if g.fresh or g.skipped:
             incr["groups"] = 1
-        try:
-            release: dict[str, list[str]] = {}
-            for mid, names, step in g.applied:  # applied now or before: every id recorded
-                for name in names:
-                    release.setdefault(keys.variable_applied(self.container, name), []).append(mid)
-                if step:
-                    gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
-                    release.setdefault(gs_key, []).append(mid)
-            stats = self._prefix + "stats"
-            commands: list[tuple[Any, ...]] = [("ZREM", k, *ids) for k, ids in release.items()]
-            commands += [("HINCRBY", stats, k, n) for k, n in incr.items()]
-            now_ms = int(time.time() * 1000)
-            marks: dict[str, int] = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
-            if g.fresh and not self._applied_once:  # this run's first applied group
-                marks["first_ms"] = now_ms
-            commands.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
-            await self.client.run_commands(commands)
-            self._applied_once = self._applied_once or bool(g.fresh)
-        except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
-            self.log.warning("could not release the ids of a group: %s", exc)
+        stats = self._prefix + "stats"
+        commands: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
+        now_ms = int(time.time() * 1000)
+        marks: dict[str, int] = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
+        if g.fresh and not self._applied_once:  # this run's first applied group
+            marks["first_ms"] = now_ms
+            self._applied_once = True
+        commands.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
+        return commands
+
+    async def _released(self, g: _Group, counted: bool) -> None:
+        """After the ack: forget the group's ids (``counted``: its stats went with the
+        ack) and count what was done."""
+        self.applied += g.fresh
+        self.skipped += g.skipped
+        self.metrics.committed(g.fresh, g.started, g.stale)
+        release: dict[str, list[str]] = {}
+        for mid, names, step in g.applied:  # applied now or before: every id recorded
+            for name in names:
+                release.setdefault(keys.variable_applied(self.container, name), []).append(mid)
+            if step:
+                gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
+                release.setdefault(gs_key, []).append(mid)
+        commands: list[tuple[Any, ...]] = [("ZREM", k, *ids) for k, ids in release.items()]
+        if not counted:
+            commands += self._stats_commands(g)
+        if self.client.cluster:  # of several slots: not with an ack
+            try:
+                await self.client.run_commands(commands)
+            except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
+                self.log.warning("could not release the ids of a group: %s", exc)
+        else:  # with the next ack, or once the shard waits for messages
+            self._release_later += commands
         self.log.debug(
             "group of %d message(s): %d applied, %d skipped; committed %s",
             g.messages,
@@ -1474,6 +1588,26 @@ class Shard:
             g.skipped,
             ", ".join(f"{n} x{len(v.ids)}" for n, v in g.vars.items()) or "-",
         )
+
+    def _counted_with(self) -> bool:
+        """Whether an ack's round trip carries its group's stats (on a single server:
+        there the stats and the releases of the groups acked before go with the next
+        ack, a round trip less per group; on a cluster they are of other slots).
+
+        A group's stats go with its ack, whatever it answers: an ack that finds a lease
+        run out still counts messages whose commit took. Its ids are let go only after
+        an ack that took, with the next ack (or once the shard waits for messages)."""
+        return not self.client.cluster
+
+    async def _release_now(self) -> None:
+        """Run the releases that wait for an ack to go with (the shard is idle, or
+        stops)."""
+        commands, self._release_later = self._release_later, []
+        if commands:
+            try:
+                await self.client.run_commands(commands)
+            except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
+                self.log.warning("could not release the ids of a group: %s", exc)
 
     # -- dead letters and stats ----------------------------------------------------------------
     async def _dead_letter(

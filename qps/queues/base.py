@@ -1027,9 +1027,25 @@ class QueueBase:
         one = len(runs) == 1 and len(runs[0][4]) == len(blobs)  # every value, in order
         return place_rows(blobs, runs, datas), datas[0] if one else None
 
-    async def _settle(self, script: str, client: Client, tokens: Sequence[str]) -> list[str]:
-        """Run ack/nack/touch for ``tokens``; return those whose lease had run out."""
-        reply = await client.run_script(script, self._skeys, [" ".join([str(LEASE_MS), *tokens])])
+    async def _settle(
+        self,
+        script: str,
+        client: Client,
+        tokens: Sequence[str],
+        after: Sequence[Sequence[Any]] = (),
+    ) -> list[str]:
+        """Run ack/nack/touch for ``tokens`` (then plain commands ``after``, in the same
+        round trip); return the tokens whose lease had run out."""
+        args = [" ".join([str(LEASE_MS), *tokens])]
+        if after:
+            reply, replies = await client.run_script_then_commands(
+                script, self._skeys, args, after, once=True
+            )
+            for r in replies:
+                if isinstance(r, BaseException):
+                    log.warning("a command sent with %s on '%s' failed: %s", script, self._name, r)
+        else:
+            reply = await client.run_script(script, self._skeys, args)
         if reply[0] == b"gone":
             raise self._gone()
         return [t.decode() for t in reply[1:]] if reply[0] == b"expired" else []
@@ -1230,8 +1246,12 @@ class QueueBase:
             return Delivery(self._format(self._batch([])), ())
         return await self._take_acked(int(n), "upto", timeout, False)
 
-    async def ack(self, delivery: Delivery) -> None:
+    async def ack(self, delivery: Delivery, *, after: Sequence[Sequence[Any]] = ()) -> None:
         """Done with a delivery: its elements are gone for good.
+
+        ``after``: plain commands sent in the ack's round trip, run after it whatever it
+        answers (a failed one is logged, not raised). On Redis Cluster they must be of
+        the queue's slot.
 
         Raises:
             AbortedError: the lease ran out first; the elements were put back and will be
@@ -1240,7 +1260,7 @@ class QueueBase:
         if not delivery.tokens:
             return
         tokens = ("+p", *delivery.tokens) if delivery.plain else delivery.tokens
-        lost = await self._settle("ack", await self._c(), tokens)
+        lost = await self._settle("ack", await self._c(), tokens, after)
         if lost:
             raise AbortedError(
                 f"ack on '{self._name}' came after the lease ({LEASE_MS} ms) ran out: the "
