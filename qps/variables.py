@@ -199,12 +199,15 @@ local function each_seg(gen, nseg, cmd, arg)
     if arg then redis.call(cmd, seg_key(gen, i), arg) else redis.call(cmd, seg_key(gen, i)) end
   end
 end
+-- whether key k is there with length n (STRLEN is 0 for a missing key)
+local function has_length(k, n)
+  if n > 0 then return redis.call('STRLEN', k) == n end
+  return redis.call('EXISTS', k) == 1
+end
 -- whether every segment of generation gen is there with its full length
 local function complete(gen, nseg, segb, nbytes)
   for i = 0, nseg - 1 do
-    local k = seg_key(gen, i)
-    if redis.call('EXISTS', k) == 0 or
-       redis.call('STRLEN', k) ~= math.min(segb, nbytes - i * segb) then
+    if not has_length(seg_key(gen, i), math.min(segb, nbytes - i * segb)) then
       return false
     end
   end
@@ -227,9 +230,7 @@ end
 local function slots_complete(gen, names, nseg, segb, nbytes)
   for _, s in ipairs(names) do
     for i = 0, nseg - 1 do
-      local k = slot_key(gen, s, i)
-      if redis.call('EXISTS', k) == 0 or
-         redis.call('STRLEN', k) ~= math.min(segb, nbytes - i * segb) then
+      if not has_length(slot_key(gen, s, i), math.min(segb, nbytes - i * segb)) then
         return false
       end
     end
@@ -244,20 +245,36 @@ local function commit_ids(first, more)
   for i = more, #ARGV do ids[#ids + 1] = ARGV[i] end
   return ids
 end
+-- ids per command of a script (unpack puts each argument on Lua's C stack)
+local IDS_PER_CALL = 500
 -- an error if a message id was applied already or the slots differ from the stored ones
-local function check_commit(names_csv, ids)
-  for _, id in ipairs(ids) do
-    if redis.call('ZSCORE', P .. 'applied', id) then return {'dup', id} end
+-- (``have``: the meta's 'slots', false to read it here)
+local function check_commit(names_csv, ids, have)
+  for at = 1, #ids, IDS_PER_CALL do
+    local part = {unpack(ids, at, math.min(#ids, at + IDS_PER_CALL - 1))}
+    local seen = redis.call('ZMSCORE', P .. 'applied', unpack(part))
+    for i = 1, #part do
+      if seen[i] then return {'dup', part[i]} end
+    end
   end
-  local have = redis.call('HGET', KEYS[1], 'slots') or ''
+  if have == false then have = redis.call('HGET', KEYS[1], 'slots') end
+  have = have or ''
   if names_csv and names_csv ~= have then return {'slots', have} end
   return nil
 end
--- remember that the message ids were applied; forget ids older than keep ms
-local function record_applied(ids, keep)
+-- remember that the message ids were applied (at ``now``, read here if not given);
+-- forget ids older than keep ms
+local function record_applied(ids, keep, now)
   if #ids == 0 then return end
-  local now = tonumber(now_ms())
-  for _, id in ipairs(ids) do redis.call('ZADD', P .. 'applied', now, id) end
+  now = tonumber(now or now_ms())
+  for at = 1, #ids, IDS_PER_CALL do
+    local args = {}
+    for i = at, math.min(#ids, at + IDS_PER_CALL - 1) do
+      args[#args + 1] = now
+      args[#args + 1] = ids[i]
+    end
+    redis.call('ZADD', P .. 'applied', unpack(args))
+  end
   redis.call('ZREMRANGEBYSCORE', P .. 'applied', '-inf',
     '(' .. string.format('%.0f', now - tonumber(keep)))
 end
@@ -320,9 +337,21 @@ _PUBLISH = """
 local gen, nseg = ARGV[3], tonumber(ARGV[4])
 local names = split(ARGV[7])
 local ids = commit_ids(8, 11)
-local err, m = check(ARGV[1], nil)
-if not err then err = held() end
-if not err then err = check_commit(ARGV[7], ids) end
+-- check() and held() of the prelude, with the commit's other fields in the same read
+local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg',
+  'segb', 'hold', 'slots', 'sgen', 'publishes')
+local err, now
+if not m[1] then
+  err = {'gone'}
+elseif tonumber(ARGV[1]) < tonumber(m[1]) then
+  err = {'stale', m[1]}
+end
+if not err and m[8] then  -- a hold past its time is no hold
+  now = now_ms()
+  local left = tonumber(m[8]) - tonumber(now)
+  if left > 0 then err = {'held', string.format('%.0f', left)} end
+end
+if not err then err = check_commit(ARGV[7], ids, m[9] or '') end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
 if not err and not (complete(gen, nseg, tonumber(m[7]), tonumber(m[5])) and
@@ -337,17 +366,24 @@ end
 each_seg(gen, nseg, 'PERSIST')
 if m[4] and m[4] ~= '' then each_seg(m[4], nseg, 'DEL') end
 each_seg(m[3], nseg, 'PEXPIRE', ARGV[5])
-redis.call('HSET', KEYS[1], 'gen', gen, 'ver', ARGV[2], 'prev', m[3], 'pver', m[2],
-  'token', ARGV[1], 'mtime', now_ms())
-redis.call('HINCRBY', KEYS[1], 'publishes', 1)
-keep_current(gen, nseg, m[5], ARGV[2])
+now = now or now_ms()
+-- one write of the meta: the new generation, the count, keep_current()'s version and
+-- the commit's slot generation and t
+local fields = {'gen', gen, 'ver', ARGV[2], 'prev', m[3], 'pver', m[2], 'token', ARGV[1],
+  'mtime', now, 'publishes', string.format('%.0f', (tonumber(m[11]) or 0) + 1)}
+if nseg == 1 and tonumber(m[5]) <= CUR_MAX then
+  redis.call('COPY', seg_key(gen, 0), P .. 'cur', 'REPLACE')
+  fields[#fields + 1] = 'curver'
+  fields[#fields + 1] = ARGV[2]
+end
 if ARGV[7] then
   each_slot_seg(gen, names, nseg, 'PERSIST')
-  local sg = redis.call('HGET', KEYS[1], 'sgen')
+  local sg = m[10]
   if sg and sg ~= '' and sg ~= gen then each_slot_seg(sg, names, nseg, 'DEL') end
-  redis.call('HSET', KEYS[1], 'sgen', gen, 't', ARGV[9])
-  record_applied(ids, ARGV[10])
+  for _, f in ipairs({'sgen', gen, 't', ARGV[9]}) do fields[#fields + 1] = f end
 end
+redis.call('HSET', KEYS[1], unpack(fields))
+if ARGV[7] then record_applied(ids, ARGV[10], now) end
 return {'ok'}
 """
 
@@ -362,7 +398,7 @@ local names = split(ARGV[6])
 local ids = commit_ids(7, 10)
 local err, m = check(ARGV[1], nil)
 if not err then err = held() end
-if not err then err = check_commit(ARGV[6], ids) end
+if not err then err = check_commit(ARGV[6], ids, false) end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
 if err then
