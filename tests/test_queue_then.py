@@ -177,3 +177,35 @@ async def test_acked_then_reads_after_the_take_and_keeps_the_lease(client):
     assert d.value.tolist() == [0, 1, 2] and q.size_of(replies) == 1
     await q.nack(d)
     assert (await q.dequeue()).tolist() == [0, 1, 2]  # it went back to the front
+
+
+async def test_takes_in_pairs_send_each_attempt_with_its_wait(make_client, monkeypatch):
+    """A consumer whose takes come in pairs, the first of which waits (a synchronous
+    shard gathering two workers' gradients), sends every attempt with its wait in one
+    round trip (``script_then_wait``) once one of its last two takes waited: the second
+    of a pair finds its element, the first of the next pair waits again."""
+    from qps.transport import Client
+
+    a, b = await make_client(), await make_client()
+    if not a.pipelined_blocking or a._endpoint is None:
+        pytest.skip("one round trip for an attempt and its wait needs a waiter connection")
+    together: list[int] = []
+    real = Client.script_then_wait
+
+    async def counted(self: Client, *args, **kwargs):
+        together.append(1)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "script_then_wait", counted)
+    qa = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="pairs", client=a)
+    qb = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="pairs", client=b)
+    taken, sent_together = [], []
+    for pair in range(3):
+        first = asyncio.create_task(qa.dequeue(timeout=20))
+        await until(_pending_dequeues(qb, 1))  # it waits
+        await qb.enqueue_many(np.array([2 * pair, 2 * pair + 1], np.int64))
+        taken += [int(await first), int(await qa.dequeue(timeout=20))]
+        sent_together.append(len(together))
+    assert taken == list(range(6))
+    # the very first take is sent alone; every one after it goes with its wait
+    assert sent_together == [1, 3, 5]

@@ -234,7 +234,8 @@ class QueueBase:
         self._skeys = self._keys[:1]  # scripts get the meta key and derive the others
         self._opened = False
         self._forget = ""  # id of our last delivery record, dropped with the next call
-        self._waited = False  # whether our last dequeue attempt had to wait
+        #: whether our last two dequeue attempts had to wait (bit 0: the last one)
+        self._waited = 0
         self._saw_entries = False  # whether a batch entry was ever delivered to us
         self._saw_refs = False  # whether an element stored out of line was delivered to us
         self._list = spec.kind in ("fifo", "padding")  # its elements in a list, in order
@@ -562,9 +563,11 @@ class QueueBase:
         wake = f"{self._prefix}a:{aid}:w"
         waiters = None  # set up only when the attempt has to wait
         done: asyncio.Event | None = None  # made when the attempt registers as blocked
-        # A dequeue after one that had to wait will probably wait too (a consumer that
-        # outpaces its producers): send it with its first wait, in one round trip; the
-        # script wakes the wait itself if it does not leave the attempt waiting.
+        # A dequeue after one of the last two had to wait will probably wait too (a
+        # consumer that outpaces its producers; or takes in pairs, the first of which
+        # waits, as a synchronous PS shard gathering two workers' gradients does): send
+        # it with its first wait, in one round trip; the script wakes the wait itself if
+        # it does not leave the attempt waiting.
         pipelined = (
             may_wait
             and script == "dequeue"
@@ -614,7 +617,7 @@ class QueueBase:
                 first = reply[0]
             if script == "dequeue":  # it dropped the record named in args
                 self._forget = ""
-                self._waited = first == b"wait"
+                self._waited = (self._waited << 1 | (first == b"wait")) & 0b11
             while reply[0] in (b"wait", b"pending"):
                 if deadline is None:
                     block = BLOCK_SECONDS
