@@ -11,6 +11,7 @@ straddles two segments, so a run of rows is one ``GETRANGE``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -123,8 +124,8 @@ class VariableSpec:
     def code(self) -> str:
         return wire.dtype_code(self.dtype)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read on every commit and pull: computed once
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property

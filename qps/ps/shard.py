@@ -343,7 +343,10 @@ class _Inbox:
             fut: asyncio.Future[None] = loop.create_future()
             self._waiting.append(fut)
             try:
-                await asyncio.wait({fut}, timeout=left)
+                if left is None:  # the common case: no timer, no asyncio.wait set-up
+                    await fut
+                else:
+                    await asyncio.wait({fut}, timeout=left)
             finally:
                 if not fut.done():
                     fut.cancel()
