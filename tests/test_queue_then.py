@@ -179,11 +179,13 @@ async def test_acked_then_reads_after_the_take_and_keeps_the_lease(client):
     assert (await q.dequeue()).tolist() == [0, 1, 2]  # it went back to the front
 
 
-async def test_takes_in_pairs_send_each_attempt_with_its_wait(make_client, monkeypatch):
-    """A consumer whose takes come in pairs, the first of which waits (a synchronous
-    shard gathering two workers' gradients), sends every attempt with its wait in one
-    round trip (``script_then_wait``) once one of its last two takes waited: the second
-    of a pair finds its element, the first of the next pair waits again."""
+@pytest.mark.parametrize("acked", [True, False])
+async def test_takes_in_pairs_send_each_attempt_with_its_wait(make_client, monkeypatch, acked):
+    """An acknowledged consumer whose takes come in pairs, the first of which waits (a
+    synchronous shard gathering two workers' gradients), sends every attempt with its
+    wait in one round trip (``script_then_wait``) once one of its last two takes
+    waited: the second of a pair finds its element, the first of the next pair waits
+    again. A plain one does so only after a take that waited."""
     from qps.transport import Client
 
     a, b = await make_client(), await make_client()
@@ -199,13 +201,22 @@ async def test_takes_in_pairs_send_each_attempt_with_its_wait(make_client, monke
     monkeypatch.setattr(Client, "script_then_wait", counted)
     qa = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="pairs", client=a)
     qb = qps.FIFOQueue(10, np.int64, shapes=[[]], shared_name="pairs", client=b)
+
+    async def take() -> int:
+        if not acked:
+            return int(await qa.dequeue(timeout=20))
+        d = await qa.dequeue_acked(timeout=20)
+        await qa.ack(d)
+        return int(d.value)
+
     taken, sent_together = [], []
     for pair in range(3):
-        first = asyncio.create_task(qa.dequeue(timeout=20))
+        first = asyncio.create_task(take())
         await until(_pending_dequeues(qb, 1))  # it waits
         await qb.enqueue_many(np.array([2 * pair, 2 * pair + 1], np.int64))
-        taken += [int(await first), int(await qa.dequeue(timeout=20))]
+        taken += [await first, await take()]
         sent_together.append(len(together))
     assert taken == list(range(6))
-    # the very first take is sent alone; every one after it goes with its wait
-    assert sent_together == [1, 3, 5]
+    # the very first take is sent alone; every acknowledged one after it goes with its
+    # wait, of the plain ones only those after a take that waited
+    assert sent_together == ([1, 3, 5] if acked else [1, 2, 3])

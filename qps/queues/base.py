@@ -547,6 +547,7 @@ class QueueBase:
         may_wait: bool = False,
         after: Sequence[Sequence[Any]] = (),
         sink: list[Any] | None = None,
+        acked: bool = False,
     ) -> list[Any]:
         """Run one attempt to completion; returns the final reply.
 
@@ -556,22 +557,24 @@ class QueueBase:
         dequeue that may block (not a nowait one); ``after``: plain commands sent after
         each script call that may deliver (the first, and the collect after each wait),
         in its round trip; ``sink`` gets the replies of those sent with the final reply
-        (none if that came from elsewhere, e.g. a timed-out attempt's abort).
+        (none if that came from elsewhere, e.g. a timed-out attempt's abort); ``acked``:
+        an acknowledged dequeue.
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
         wake = f"{self._prefix}a:{aid}:w"
         waiters = None  # set up only when the attempt has to wait
         done: asyncio.Event | None = None  # made when the attempt registers as blocked
-        # A dequeue after one of the last two had to wait will probably wait too (a
-        # consumer that outpaces its producers; or takes in pairs, the first of which
-        # waits, as a synchronous PS shard gathering two workers' gradients does): send
-        # it with its first wait, in one round trip; the script wakes the wait itself if
-        # it does not leave the attempt waiting.
+        # A dequeue after one that had to wait will probably wait too (a consumer that
+        # outpaces its producers): send it with its first wait, in one round trip; the
+        # script wakes the wait itself if it does not leave the attempt waiting. An
+        # acknowledged one goes so after one of the last two waited: a consumer that
+        # takes in pairs, the first of which waits (a synchronous PS shard gathering two
+        # workers' gradients), sends every attempt with its wait.
         pipelined = (
             may_wait
             and script == "dequeue"
-            and self._waited
+            and self._waited & (0b11 if acked else 0b01)
             and (timeout is None or timeout >= BLOCK_SECONDS)
         )
         try:
@@ -889,6 +892,7 @@ class QueueBase:
                 timeout,
                 "dequeue",
                 may_wait=not nowait,
+                acked=acked is not None,
                 after=(*lead, *then),
                 sink=sink,
             )
