@@ -316,8 +316,8 @@ async def test_a_buffer_read_that_failed_with_the_reply_is_read_anew(client, mon
     await q.enqueue_many(batch(128))
     real = transport.Client.run_script_then_commands
 
-    async def broken(self, name, keys, args, after):
-        reply, replies = await real(self, name, keys, args, after)
+    async def broken(self, name, keys, args, after, **kw):
+        reply, replies = await real(self, name, keys, args, after, **kw)
         return reply, [InternalError("lost (test)") for _ in replies]
 
     monkeypatch.setattr(transport.Client, "run_script_then_commands", broken)
