@@ -248,7 +248,7 @@ end
 -- ids per command of a script (unpack puts each argument on Lua's C stack)
 local IDS_PER_CALL = 500
 -- an error if a message id was applied already or the slots differ from the stored ones
--- (``have``: the meta's 'slots', false to read it here)
+-- (``have``: the meta's 'slots')
 local function check_commit(names_csv, ids, have)
   for at = 1, #ids, IDS_PER_CALL do
     local part = {unpack(ids, at, math.min(#ids, at + IDS_PER_CALL - 1))}
@@ -257,8 +257,6 @@ local function check_commit(names_csv, ids, have)
       if seen[i] then return {'dup', part[i]} end
     end
   end
-  if have == false then have = redis.call('HGET', KEYS[1], 'slots') end
-  have = have or ''
   if names_csv and names_csv ~= have then return {'slots', have} end
   return nil
 end
@@ -279,28 +277,37 @@ local function record_applied(ids, keep, now)
     '(' .. string.format('%.0f', now - tonumber(keep)))
 end
 -- a small variable (one segment of at most CUR_MAX bytes) keeps a copy of its value at
--- version ver in P cur (and ver in the meta's 'curver'), which readers get with a plain
--- GET inside MULTI: no bytes through Lua
+-- version ver in P cur (and ver in the meta's 'curver', or in ``fields``, the caller's
+-- own write of the meta), which readers get with a plain GET inside MULTI: no bytes
+-- through Lua
 local CUR_MAX = CUR_MAX_BYTES
-local function keep_current(gen, nseg, nbytes, ver)
+local function keep_current(gen, nseg, nbytes, ver, fields)
   if tonumber(nseg) == 1 and tonumber(nbytes) <= CUR_MAX then
     redis.call('COPY', seg_key(gen, 0), P .. 'cur', 'REPLACE')
-    redis.call('HSET', KEYS[1], 'curver', ver)
+    if fields then  -- the caller's meta write takes 'curver'
+      fields[#fields + 1] = 'curver'
+      fields[#fields + 1] = ver
+    else
+      redis.call('HSET', KEYS[1], 'curver', ver)
+    end
   end
 end
 -- nil if no checkpoint holds the variable, else the refusal 'held' with the ms the
 -- hold has left (a snapshot on Redis Cluster holds every variable while it pins them
--- all: qps.checkpoint); a hold past its time is no hold
-local function held()
-  local h = redis.call('HGET', KEYS[1], 'hold')
+-- all: qps.checkpoint); a hold past its time is no hold. ``h``: the meta's 'hold' if
+-- the caller read it (false: none), else it is read here
+local function held(h)
+  if h == nil then h = redis.call('HGET', KEYS[1], 'hold') end
   if not h then return nil end
   local left = tonumber(h) - tonumber(now_ms())
   if left <= 0 then return nil end
   return {'held', string.format('%.0f', left)}
 end
--- nil (and the meta fields) if a write with this token and version may proceed
-local function check(token, version)
-  local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg', 'segb')
+-- nil (and the meta fields) if a write with this token and version may proceed; the
+-- fields named after ``version`` are read too (m[8] on)
+local function check(token, version, ...)
+  local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg',
+    'segb', ...)
   if not m[1] then return {'gone'}, m end
   if tonumber(token) < tonumber(m[1]) then return {'stale', m[1]}, m end
   if version and tonumber(version) <= tonumber(m[2]) then return {'version', m[2]}, m end
@@ -337,20 +344,10 @@ _PUBLISH = """
 local gen, nseg = ARGV[3], tonumber(ARGV[4])
 local names = split(ARGV[7])
 local ids = commit_ids(8, 11)
--- check() and held() of the prelude, with the commit's other fields in the same read
-local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg',
-  'segb', 'hold', 'slots', 'sgen', 'publishes')
-local err, now
-if not m[1] then
-  err = {'gone'}
-elseif tonumber(ARGV[1]) < tonumber(m[1]) then
-  err = {'stale', m[1]}
-end
-if not err and m[8] then  -- a hold past its time is no hold
-  now = now_ms()
-  local left = tonumber(m[8]) - tonumber(now)
-  if left > 0 then err = {'held', string.format('%.0f', left)} end
-end
+-- the commit's other fields read with the check: m[8] hold, m[9] slots, m[10] sgen,
+-- m[11] publishes
+local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen', 'publishes')
+if not err then err = held(m[8]) end
 if not err then err = check_commit(ARGV[7], ids, m[9] or '') end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
@@ -366,16 +363,12 @@ end
 each_seg(gen, nseg, 'PERSIST')
 if m[4] and m[4] ~= '' then each_seg(m[4], nseg, 'DEL') end
 each_seg(m[3], nseg, 'PEXPIRE', ARGV[5])
-now = now or now_ms()
+local now = now_ms()
 -- one write of the meta: the new generation, the count, keep_current()'s version and
 -- the commit's slot generation and t
 local fields = {'gen', gen, 'ver', ARGV[2], 'prev', m[3], 'pver', m[2], 'token', ARGV[1],
   'mtime', now, 'publishes', string.format('%.0f', (tonumber(m[11]) or 0) + 1)}
-if nseg == 1 and tonumber(m[5]) <= CUR_MAX then
-  redis.call('COPY', seg_key(gen, 0), P .. 'cur', 'REPLACE')
-  fields[#fields + 1] = 'curver'
-  fields[#fields + 1] = ARGV[2]
-end
+keep_current(gen, nseg, m[5], ARGV[2], fields)
 if ARGV[7] then
   each_slot_seg(gen, names, nseg, 'PERSIST')
   local sg = m[10]
@@ -396,9 +389,9 @@ return {'ok'}
 _PUBLISH_ROWS = """
 local names = split(ARGV[6])
 local ids = commit_ids(7, 10)
-local err, m = check(ARGV[1], nil)
-if not err then err = held() end
-if not err then err = check_commit(ARGV[6], ids, false) end
+local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen')  -- m[8], m[9], m[10]
+if not err then err = held(m[8]) end
+if not err then err = check_commit(ARGV[6], ids, m[9] or '') end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
 if err then
@@ -409,7 +402,7 @@ local buf = redis.call('GET', KEYS[2])
 redis.call('DEL', KEYS[2])
 if not buf or #buf ~= tonumber(ARGV[3]) then return {'missing', ARGV[3]} end
 local nseg, segb, nbytes = tonumber(m[6]), tonumber(m[7]), tonumber(m[5])
-local sgen = redis.call('HGET', KEYS[1], 'sgen') or ''
+local sgen = m[10] or ''
 if not complete(m[3], nseg, segb, nbytes) or
    (#names > 0 and (sgen == '' or not slots_complete(sgen, names, nseg, segb, nbytes))) then
   return {'corrupt', m[3]}
