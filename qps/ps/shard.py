@@ -122,10 +122,12 @@ THREAD_MIN_BYTES = 1 << 20
 #: enough to keep the apply busy, while the buffers of large messages stay few enough
 #: to be reused (qps.buffers) rather than mapped afresh.
 READ_AHEAD_BYTES = 64 << 20
-#: A group's release (its ids let go, its stats written) goes with the next ack, a
-#: round trip less per group; a shard that waits this long for messages sends it alone
+#: A group's ids are let go with the next ack (its stats go with its own), a round trip
+#: less per group; a shard that waits this long for messages sends what waits alone
 #: (seconds).
 RELEASE_IDLE_S = 0.05
+#: How long the count of the shards that committed a synchronous update is kept (ms).
+DONE_TTL_MS = 3_600_000
 
 
 class LeaseLostError(FailedPreconditionError):
@@ -182,7 +184,8 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 # applied ids ('' when another shard counts it: else the update's id 'sync.<step>' is
 # among them), the update's done counter ('' with one shard holding variables).
 # ARGV: the number of variables, the shard's fencing token, each variable's version
-# once committed, the update's step, the shards that hold variables.
+# once committed, the update's step, the shards that hold variables, the done
+# counter's time to live (ms).
 # Reply: 1 tokens given; 2 counted, another shard gives them; 0 the update is not (all)
 # committed: nothing done.
 _TOKENS_IF_COMMITTED = """
@@ -198,7 +201,7 @@ local gs, done = KEYS[#KEYS - 1], KEYS[#KEYS]
 if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return 0 end
 if needed > 1 then
   local count = redis.call('INCR', done)
-  redis.call('PEXPIRE', done, 3600000)
+  redis.call('PEXPIRE', done, ARGV[5 + n])
   if count ~= needed then return 2 end
 end
 for i = n + 1, #KEYS - 2 do redis.call('RPUSH', KEYS[i], step) end
@@ -890,7 +893,7 @@ class Shard:
         False if a lease had run out (those messages come again); a nack never raises.
 
         An ack carries in its round trip (on a single server) the releases of the
-        groups acked before, and ``count``'s stats: see :meth:`_counted_with`."""
+        groups acked before, and ``count``'s stats: see :meth:`_released`."""
         gone = {id(d) for d in ds}
         self._held = [d for d in self._held if id(d) not in gone]  # by identity
         for d in ds:
@@ -982,7 +985,7 @@ class Shard:
             raise
         if not acked:
             return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
-        await self._released(g, self._counted_with())
+        await self._released(g)
 
     def _drop_payloads(self, g: _Group) -> None:
         """Let go of the bytes of the group's deliveries, applied or dead-lettered by
@@ -1326,7 +1329,7 @@ class Shard:
         metas = [keys.variable_meta(self.container, n) for n in names]
         ks = [*metas, *(t.key for t in lists), gs, done]
         versions = [self._next(self.owned[n], pending[n], updates)[1] for n in names]
-        args = [len(names), self.token, *versions, step, needed]
+        args = [len(names), self.token, *versions, step, needed, DONE_TTL_MS]
         return ("EVALSHA", self._tokens_script.sha, len(ks), *ks, *args)
 
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
@@ -1468,7 +1471,7 @@ class Shard:
 
         async def settle() -> None:  # the ids are released once the ack is done
             if await self._settle(q, deliveries, ack=True, count=g):
-                await self._released(g, self._counted_with())
+                await self._released(g)
             # else a lease ran out: the ids stay recorded, the messages come again and
             # are found applied
 
@@ -1498,7 +1501,7 @@ class Shard:
             with map_errors():
                 pipe = self.client.commands.pipeline(transaction=True)
                 pipe.incr(key)
-                pipe.pexpire(key, 3_600_000)
+                pipe.pexpire(key, DONE_TTL_MS)
                 done, _ = await pipe.execute()
             if int(done) != needed:
                 return []
@@ -1561,9 +1564,13 @@ class Shard:
         commands.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
         return commands
 
-    async def _released(self, g: _Group, counted: bool) -> None:
-        """After the ack: forget the group's ids (``counted``: its stats went with the
-        ack) and count what was done."""
+    async def _released(self, g: _Group) -> None:
+        """After an ack that took: forget the group's ids and count what was done.
+
+        On a single server the group's stats went with its ack (whatever it answered: an
+        ack that finds a lease run out still counts messages whose commit took), and its
+        ids go with the next ack, or once the shard waits for messages (a round trip
+        less per group). On a cluster (other slots than the queue's) both go now."""
         self.applied += g.fresh
         self.skipped += g.skipped
         self.metrics.committed(g.fresh, g.started, g.stale)
@@ -1575,9 +1582,8 @@ class Shard:
                 gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
                 release.setdefault(gs_key, []).append(mid)
         commands: list[tuple[Any, ...]] = [("ZREM", k, *ids) for k, ids in release.items()]
-        if not counted:
-            commands += self._stats_commands(g)
         if self.client.cluster:  # of several slots: not with an ack
+            commands += self._stats_commands(g)
             try:
                 await self.client.run_commands(commands)
             except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
@@ -1591,16 +1597,6 @@ class Shard:
             g.skipped,
             ", ".join(f"{n} x{len(v.ids)}" for n, v in g.vars.items()) or "-",
         )
-
-    def _counted_with(self) -> bool:
-        """Whether an ack's round trip carries its group's stats (on a single server:
-        there the stats and the releases of the groups acked before go with the next
-        ack, a round trip less per group; on a cluster they are of other slots).
-
-        A group's stats go with its ack, whatever it answers: an ack that finds a lease
-        run out still counts messages whose commit took. Its ids are let go only after
-        an ack that took, with the next ack (or once the shard waits for messages)."""
-        return not self.client.cluster
 
     async def _release_now(self) -> None:
         """Run the releases that wait for an ack to go with (the shard is idle, or
