@@ -579,9 +579,13 @@ class Client:
         after: Sequence[Sequence[Any]],
         *,
         once: bool = False,
+        before: Sequence[Sequence[Any]] = (),
     ) -> tuple[Any, list[Any]]:
         """Run script ``name`` and then plain commands, in one round trip; return the
         script's reply and the commands' (an error reply in its place, not raised).
+        ``before``: plain commands run ahead of the script, in the same round trip
+        (idempotent writes the script needs, e.g. an element's chunk); their failure
+        raises.
 
         Should the server lack the script, it is loaded and run, and the commands run
         again after it; with ``once`` they are not (writes that must not run twice:
@@ -589,13 +593,17 @@ class Client:
 
         Raises:
             UnavailableError: the server cannot be reached.
-            InternalError: the script failed inside Redis.
+            InternalError: the script (or a command of ``before``) failed inside Redis.
         """
         script = self._script(name)
         command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
         conn = await self._lean_now()
         if conn is not None:
-            reply, *replies = await _call_many(conn, [command, *after])
+            got = await _call_many(conn, [*before, command, *after])
+            for r in got[: len(before)]:
+                if isinstance(r, resp.ReplyError):
+                    raise translate(r) from r
+            reply, *replies = got[len(before) :]
             if isinstance(reply, resp.ReplyError):
                 if reply.code != "NOSCRIPT":
                     raise translate(reply) from reply
@@ -603,6 +611,8 @@ class Client:
                 if not once:
                     replies = await conn.call_many(after)
             return reply, replies
+        if before:
+            await self.run_commands_then_script(before, None, (), ())
         reply = await self.run_script(name, keys, args)
         with map_errors():
             pipe = self.commands.pipeline(transaction=False)
@@ -1193,14 +1203,17 @@ class ClusterClient(Client):
         after: Sequence[Sequence[Any]],
         *,
         once: bool = False,
+        before: Sequence[Sequence[Any]] = (),
     ) -> tuple[Any, list[Any]]:
         child = self._node_for(keys[0]) if keys else None
         if child is None:
-            return await super().run_script_then_commands(name, keys, args, after, once=once)
+            return await super().run_script_then_commands(
+                name, keys, args, after, once=once, before=before
+            )
         return await self._routed(
             keys[0],
             child,
-            lambda c: c.run_script_then_commands(name, keys, args, after, once=once),
+            lambda c: c.run_script_then_commands(name, keys, args, after, once=once, before=before),
         )
 
     async def wait_then_script(

@@ -353,6 +353,39 @@ async def test_bad_messages_are_dead_lettered_never_applied(job: Job) -> None:
     assert await control.dead_letters(sess.client, C, 0) == []
 
 
+@pytest.mark.no_cluster(reason="a read plan is for a single server (pull_plan gives None)")
+async def test_push_then_reads_the_parameters_in_the_push_round_trip(job: Job) -> None:
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 2, SGD(learning_rate=1.0))
+    for name in ("w", "b"):
+        await sess.variable(name, (2,), np.float64, initializer="zeros").create()
+    ps = sess.ps
+    where = await ps.shards_of(["w", "b"])
+    plan = await ps.pull_plan(["w", "b"])
+    assert plan is not None and sorted(where.values()) == [0, 1]
+    got = ps.pulled(plan, await sess.client.run_commands_replies(plan.commands))
+    assert got is not None
+    # no shard runs: the read after the push sees the parameters as they are
+    ids, replies = await ps.push_then({"w": np.ones(2), "b": np.ones(2)}, plan.commands, step=0)
+    assert sorted(ids) == [0, 1]
+    now = ps.pulled(plan, replies)
+    assert now is not None and now["w"].version == got["w"].version
+    ids, replies = await ps.push_then({"w": np.ones(2)}, [], step=1)
+    assert replies == [] and ids[where["w"]].startswith("w0/1/")
+    await job.shard(0, 2)
+    await job.shard(1, 2)
+    await _steps(sess, 2)
+    ids, replies = await ps.push_then({"w": np.ones(2), "b": np.ones(2)}, plan.commands, step=2)
+    await _steps(sess, 3)
+    values = await sess.pull(["w", "b"])
+    assert values["w"].value.tolist() == [-3.0, -3.0] and values["b"].value.tolist() == [-2.0, -2.0]
+    then = ps.pulled(plan, replies)  # read right after the push: before its apply, or after
+    assert then is not None and then["w"].version in (2, 3)
+    assert then["w"].value.tolist() == [-float(then["w"].version)] * 2
+    with pytest.raises(InvalidArgumentError):  # checked before anything is sent
+        await ps.push_then({"w": np.ones(3)}, plan.commands)
+
+
 async def test_worker_side_errors_send_nothing(job: Job) -> None:
     sess = await job.session()
     with pytest.raises(FailedPreconditionError, match="no PS job"):

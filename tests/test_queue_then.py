@@ -1,6 +1,7 @@
 """``dequeue_then``: plain commands that ride with a dequeue and run right after the
-element is taken (a sync worker's token wait and parameter read in one round trip), and
-the size and variable reads built for it (``size_commands``, ``ReadPlan``)."""
+element is taken (a sync worker's token wait and parameter read in one round trip),
+``enqueue_then`` (an async worker's push and next pull in one round trip), and the size
+and variable reads built for them (``size_commands``, ``ReadPlan``)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,44 @@ async def test_a_timed_out_dequeue_then_changes_nothing(client):
     assert (s.size, s.pending_dequeues) == (0, 0)
     await q.enqueue(np.int64(9))
     assert int(await q.dequeue()) == 9
+
+
+@pytest.mark.parametrize("nbytes", [8, 40_000])  # inline, and out of line in one chunk
+async def test_enqueue_then_reads_after_the_element_is_in(client, nbytes):
+    q = _raw_queue(client)
+    first = np.arange(nbytes, dtype=np.int64).astype(np.uint8)
+    assert q.size_of(await q.enqueue_then(first, q.size_commands())) == 1
+    assert q.size_of(await q.enqueue_then(first[:3], q.size_commands())) == 2
+    assert await q.enqueue_then(first[:1], []) == []
+    assert (await q.dequeue()).tobytes() == first.tobytes()  # its bytes, whole
+    typed = qps.FIFOQueue(10, np.int64, shapes=[[]], client=client)  # the checked path
+    await typed.enqueue(np.int64(1))
+    assert typed.size_of(await typed.enqueue_then(np.int64(2), typed.size_commands())) == 2
+    with pytest.raises(qps.errors.InvalidArgumentError):  # nothing sent, nothing in
+        await typed.enqueue_then(np.zeros(2, np.int64), typed.size_commands())
+    assert [int(v) for v in await typed.dequeue_many(2)] == [1, 2] and await typed.size() == 0
+
+
+async def test_a_blocked_enqueue_then_reads_after_the_room_comes(make_client):
+    a, b = await make_client(), await make_client()
+    qa = qps.FIFOQueue(1, [np.uint8], shared_name="full", client=a)
+    qb = qps.FIFOQueue(1, [np.uint8], shared_name="full", client=b)
+    await qb.enqueue(np.zeros(20_000, np.uint8))
+    pusher = asyncio.create_task(
+        qa.enqueue_then(np.ones(20_000, np.uint8), qa.size_commands(), timeout=20)
+    )
+
+    async def blocked() -> bool:
+        return (await qb.stats()).pending_enqueues == 1
+
+    await until(blocked)
+    assert not (await qb.dequeue()).any()
+    replies = await pusher
+    assert qa.size_of(replies) == 1  # read once its element was in
+    assert (await qb.dequeue()).all() and await qb.size() == 0
+    await qb.close()
+    with pytest.raises(qps.errors.CancelledError):  # closed: nothing in, nothing read
+        await qa.enqueue_then(np.ones(3, np.uint8), qa.size_commands())
 
 
 @pytest.mark.parametrize("kind", ["fifo", "shuffle", "priority", "padding"])

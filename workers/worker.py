@@ -352,6 +352,22 @@ class Worker:
         await self.sess.push(grads, step=step, versions=versions)
         self.metrics.pushed(started, grads)
 
+    async def _push_then_pull(
+        self, grads: Mapping[str, Any], step: int, versions: dict[str, int], plan: ReadPlan
+    ) -> tuple[dict[str, Any], dict[str, int]] | None:
+        """Push, with the next step's parameters read by ``plan`` right after it, in the
+        same round trip; None if that read cannot be used (the step pulls them itself)."""
+        started = time.perf_counter()
+        ps = self.sess.ps
+        _, replies = await ps.push_then(grads, plan.commands, step=step, versions=versions)
+        self.metrics.pushed(started, grads)
+        got = ps.pulled(plan, replies) if replies else None
+        if got is None:
+            return None
+        pulled = _split(got)
+        self.metrics.pulled(time.perf_counter(), pulled[0].values())  # it rode with the push
+        return pulled
+
     async def _compute(
         self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
     ) -> tuple[float, dict[str, Any]]:
@@ -403,10 +419,11 @@ class Worker:
         tokens = (
             None if sync is None else control.tokens(sess.client, cfg.container, cfg.index)
         )
-        # synchronous: the dense pull sent with each token wait (None: pull after it)
+        # the dense pull sent with each token wait (synchronous) or push (asynchronous,
+        # a model computed inline); None: pulled in a round trip of its own
         plan = (
             await sess.ps.pull_plan(self.dense)
-            if sync is not None and self.dense and not self.sparse
+            if self.dense and not self.sparse and (sync is not None or self.inline)
             else None
         )
         before = (await job.read_statuses(sess.client, cfg.container)).get(cfg.name)
@@ -474,8 +491,11 @@ class Worker:
                     pulled = None
                 elif self.inline:  # the push and the next pull travel together
                     loss, grads = await self._compute(params, batch)
-                    push = self._push(grads, step, versions)
-                    _, pulled = await asyncio.gather(push, self._pull(batch))
+                    if plan is not None:  # in one round trip: the pull rides with the push
+                        pulled = await self._push_then_pull(grads, step, versions, plan)
+                    else:
+                        push = self._push(grads, step, versions)
+                        _, pulled = await asyncio.gather(push, self._pull(batch))
                 else:  # the next pull runs while this step computes (on a thread)
                     ahead = asyncio.ensure_future(self._pull(batch))
                     try:

@@ -242,6 +242,37 @@ class PSClient:
             FailedPreconditionError: no PS job is configured in the container.
             CancelledError: the job is finished (the shards' queues are closed).
         """
+        ids, _ = await self._push(grads, step, versions, ())
+        return ids
+
+    async def push_then(
+        self,
+        grads: Mapping[Any, Any],
+        commands: Sequence[Sequence[Any]],
+        *,
+        step: int | None = None,
+        versions: Mapping[str, int] | None = None,
+    ) -> tuple[dict[int, str], list[Any]]:
+        """:meth:`push`, then plain Redis ``commands`` run right after shard 0's message
+        is in its queue, in the same round trip (see
+        :meth:`qps.queues.FIFOQueue.enqueue_then`): an asynchronous worker sends the
+        pull of its next step's parameters (:meth:`pull_plan`) with its gradients.
+
+        Returns shard -> message id, and the commands' replies, or an empty list when
+        they did not run with the enqueue (then run them yourself).
+
+        Raises:
+            as :meth:`push`.
+        """
+        return await self._push(grads, step, versions, commands)
+
+    async def _push(
+        self,
+        grads: Mapping[Any, Any],
+        step: int | None,
+        versions: Mapping[str, int] | None,
+        then: Sequence[Sequence[Any]],
+    ) -> tuple[dict[int, str], list[Any]]:
         if not isinstance(grads, Mapping):
             raise InvalidArgumentError("push takes a mapping variable -> gradient")
         checked: dict[str, Gradient] = {}
@@ -281,15 +312,21 @@ class PSClient:
         payloads = {s: encode_message(m) for s, m in by_shard.items()}
         for s, p in payloads.items():
             self._check_size(s, len(p))
+        out: list[Any] = []
         try:
-            await asyncio.gather(*(self._send(s, p) for s, p in payloads.items()))
+            await asyncio.gather(
+                *(
+                    self._send(s, p, then if s == control.GLOBAL_STEP_SHARD else (), out)
+                    for s, p in payloads.items()
+                )
+            )
         except CancelledError as exc:
             if await control.is_finished(self.client, self.container):
                 raise CancelledError(
                     f"the PS job of container '{self.container}' is finished: {exc}"
                 ) from exc
             raise
-        return {s: m.id for s, m in by_shard.items()}
+        return {s: m.id for s, m in by_shard.items()}, out
 
     def _check_size(self, shard: int, nbytes: int) -> None:
         if nbytes > self._max_bytes:
@@ -300,15 +337,28 @@ class PSClient:
                 "large variables on several shards or partition them"
             )
 
-    async def _send(self, shard: int, payload: bytes) -> None:
+    async def _send(
+        self,
+        shard: int,
+        payload: bytes,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
+    ) -> None:
         """Enqueue one message on ``shard``'s gradient queue. A push that waited on a
         full queue while this process could not reach Redis for longer than the queue's
         lease (a network partition) finds its attempt taken for dead and undone: nothing
         was enqueued, so the same message is sent again (up to :data:`PUSH_TRIES` times
-        in all)."""
+        in all). ``then``: read commands run right after it (their replies go to
+        ``then_out``)."""
         for attempt in range(1, PUSH_TRIES + 1):
             try:
-                return await self._queue(shard).enqueue(np.frombuffer(payload, np.uint8))
+                element = np.frombuffer(payload, np.uint8)
+                if not then:
+                    return await self._queue(shard).enqueue(element)
+                got = await self._queue(shard).enqueue_then(element, then)
+                if then_out is not None:
+                    then_out[:] = got
+                return None
             except AbortedError as exc:
                 if attempt == PUSH_TRIES:
                     raise

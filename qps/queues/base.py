@@ -603,7 +603,7 @@ class QueueBase:
                     sink[:] = extra
             elif after:
                 reply, extra = await client.run_script_then_commands(
-                    script, self._skeys, [f"{LEASE_MS} {tokens}", *payload], after
+                    script, self._skeys, [f"{LEASE_MS} {tokens}", *payload], after, before=before
                 )
                 first = reply[0]
                 if sink is not None:
@@ -707,6 +707,8 @@ class QueueBase:
         timeout: float | None,
         nowait: bool,
         order: list[bytes] | None = None,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
     ) -> None:
         client = await self._c()
         aid = client.new_id()
@@ -736,6 +738,8 @@ class QueueBase:
             timeout,
             "enqueue",
             before,
+            after=then,
+            sink=then_out,
         )
         status = reply[0]
         if status == b"ok":
@@ -762,6 +766,37 @@ class QueueBase:
                 ``close(cancel_pending_enqueues=True)`` or by closing the client.
             DeadlineExceededError: ``timeout`` seconds passed; nothing was inserted.
         """
+        await self._enqueue_one(vals, timeout)
+
+    async def enqueue_then(
+        self, vals: Any, commands: Sequence[Sequence[Any]], *, timeout: float | None = None
+    ) -> list[Any]:
+        """:meth:`enqueue`, then plain Redis ``commands`` sent in the same round trip and
+        run by the server right after the element is in: a producer that writes and
+        then reads something (an asynchronous worker pushing its gradients, then
+        pulling the parameters for its next step) saves a round trip.
+
+        Returns the commands' replies (an error reply in its place, not raised), or an
+        empty list when they did not run with the attempt that put the element in
+        (e.g. a script had to be loaded first): then run them yourself. The commands
+        must only read and must not block: an enqueue that waits for room runs them
+        after each wait, not only the last. On a Redis Cluster they go to this queue's
+        node: keys of its slot only.
+
+        Raises:
+            as :meth:`enqueue`.
+        """
+        out: list[Any] = []
+        await self._enqueue_one(vals, timeout, commands, out)
+        return out
+
+    async def _enqueue_one(
+        self,
+        vals: Any,
+        timeout: float | None,
+        then: Sequence[Sequence[Any]] = (),
+        then_out: list[Any] | None = None,
+    ) -> None:
         quick = self._quick
         if (
             quick is not None
@@ -769,11 +804,12 @@ class QueueBase:
             and vals.dtype is quick.dtype
             and vals.shape == quick.shape
         ):  # what _prepare_one and encode_element give for it, without their checks
-            await self._enqueue_blobs([quick.header + vals.tobytes()], timeout, False)
+            blobs = [quick.header + vals.tobytes()]
+            await self._enqueue_blobs(blobs, timeout, False, None, then, then_out)
             return
         arrays = self._prepare_one(vals)
         order = self._order_keys(arrays, None)
-        await self._enqueue_blobs([encode_element(arrays)], timeout, False, order)
+        await self._enqueue_blobs([encode_element(arrays)], timeout, False, order, then, then_out)
 
     async def enqueue_nowait(self, vals: Any) -> None:
         """:meth:`enqueue` that never waits.
