@@ -172,12 +172,14 @@ def _lua_source(name: str) -> str:
 class _Script:
     """A Lua script run by SHA, loaded on first use and again after NOSCRIPT."""
 
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("loaded", "name", "sha", "source")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.source = _lua_source(name)
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
+        #: known to be on the server (set by the round trips that must not meet NOSCRIPT)
+        self.loaded = False
 
 
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
@@ -580,6 +582,7 @@ class Client:
         *,
         once: bool = False,
         before: Sequence[Sequence[Any]] = (),
+        blocking: bool = False,
     ) -> tuple[Any, list[Any]]:
         """Run script ``name`` and then plain commands, in one round trip; return the
         script's reply and the commands' (an error reply in its place, not raised).
@@ -591,12 +594,37 @@ class Client:
         again after it; with ``once`` they are not (writes that must not run twice:
         they ran then before the script).
 
+        ``blocking``: the commands may block (a ``BLPOP``): the round trip goes on a
+        waiter connection of its own, so nothing else waits behind it, and they run at
+        most once. The script is loaded in it the first time; should the server lose
+        it later (a restart), the commands run (and may block for their timeout) before
+        the script is loaded and run again, and their replies are dropped ([]).
+        Without lean connections (fakeredis) they do not run: the replies are then [].
+
         Raises:
             UnavailableError: the server cannot be reached.
             InternalError: the script (or a command of ``before``) failed inside Redis.
         """
         script = self._script(name)
         command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
+        if blocking and after:
+            waiter = await self._waiter_connection() if self._endpoint is not None else None
+            if waiter is None:
+                after = ()
+            else:  # the script loaded first (once): a NOSCRIPT would leave them waiting
+                load = [] if script.loaded else [(b"SCRIPT", b"LOAD", script.source)]
+                got = await self._exchange(waiter, [*load, *before, command, *after])
+                for r in got[: len(load) + len(before)]:
+                    if isinstance(r, resp.ReplyError):
+                        raise translate(r) from r
+                reply, *replies = got[len(load) + len(before) :]
+                lost = isinstance(reply, resp.ReplyError) and reply.code == "NOSCRIPT"
+                script.loaded = not lost
+                if isinstance(reply, resp.ReplyError):
+                    if script.loaded:
+                        raise translate(reply) from reply
+                    reply, replies = await self.run_script(name, keys, args), []
+                return reply, replies
         conn = await self._lean_now()
         if conn is not None:
             got = await _call_many(conn, [*before, command, *after])
@@ -1204,16 +1232,19 @@ class ClusterClient(Client):
         *,
         once: bool = False,
         before: Sequence[Sequence[Any]] = (),
+        blocking: bool = False,
     ) -> tuple[Any, list[Any]]:
         child = self._node_for(keys[0]) if keys else None
         if child is None:
             return await super().run_script_then_commands(
-                name, keys, args, after, once=once, before=before
+                name, keys, args, after, once=once, before=before, blocking=blocking
             )
         return await self._routed(
             keys[0],
             child,
-            lambda c: c.run_script_then_commands(name, keys, args, after, once=once, before=before),
+            lambda c: c.run_script_then_commands(
+                name, keys, args, after, once=once, before=before, blocking=blocking
+            ),
         )
 
     async def wait_then_script(

@@ -107,6 +107,45 @@ async def test_a_blocked_enqueue_then_reads_after_the_room_comes(make_client):
         await qa.enqueue_then(np.ones(3, np.uint8), qa.size_commands())
 
 
+async def test_blocking_enqueue_then_waits_once_on_its_own_connection(make_client):
+    """A synchronous worker's push: the element in, then a BLPOP for its token and a
+    read, in one round trip on a connection of their own (other calls go on meanwhile)."""
+    a, b = await make_client(), await make_client()
+    qa = qps.FIFOQueue(2, [np.uint8], shared_name="grads", client=a)
+    qb = qps.FIFOQueue(2, [np.uint8], shared_name="grads", client=b)
+    token = qps.keys.container_prefix(qps.keys.DEFAULT_CONTAINER) + "t:0"
+    wait = [(b"BLPOP", token, 20), *qa.size_commands()]
+    pusher = asyncio.create_task(qa.enqueue_then(np.ones(20_000, np.uint8), wait, blocking=True))
+    if a._endpoint is None:  # no lean connections (fakeredis): the commands do not run
+        assert await pusher == [] and await qb.size() == 1
+        return
+
+    async def element_in() -> bool:
+        return await qb.size() == 1
+
+    await until(element_in)  # in, while the BLPOP blocks on the pusher's connection
+    assert await qa.size() == 1 and not pusher.done()  # the client serves other calls
+    await b.run_commands([(b"RPUSH", token, b"7")])
+    replies = await pusher
+    assert replies[0] == [token.encode(), b"7"] and qa.size_of(replies[1:]) == 1
+    # on a full queue the wait runs first, then the enqueue waits for room
+    await qb.enqueue(np.zeros(5, np.uint8))
+    await b.run_commands([(b"RPUSH", token, b"8")])
+    third = asyncio.create_task(qa.enqueue_then(np.full(5, 2, np.uint8), wait, blocking=True))
+
+    async def blocked() -> bool:
+        return (await qb.stats()).pending_enqueues == 1
+
+    await until(blocked)
+    assert (await qb.dequeue()).all()
+    replies = await third
+    assert replies[0] == [token.encode(), b"8"] and qa.size_of(replies[1:]) == 2
+    assert (await qb.dequeue()).tolist() == [0] * 5 and (await qb.dequeue()).tolist() == [2] * 5
+    await qb.close()
+    with pytest.raises(qps.errors.CancelledError):  # raised once the wait is done
+        await qa.enqueue_then(np.ones(3, np.uint8), [(b"BLPOP", token, 0.05)], blocking=True)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "shuffle", "priority", "padding"])
 async def test_size_commands_agree_with_size(client, kind):
     if kind == "shuffle":

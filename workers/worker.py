@@ -368,6 +368,35 @@ class Worker:
         self.metrics.pulled(time.perf_counter(), pulled[0].values())  # it rode with the push
         return pulled
 
+    async def _push_then_token(
+        self,
+        grads: Mapping[str, Any],
+        step: int,
+        versions: dict[str, int],
+        tokens: control.Tokens,
+        plan: ReadPlan,
+    ) -> tuple[int, int | None, tuple[dict[str, Any], dict[str, int]] | None] | None:
+        """Synchronous training: push, then, in the same round trip, block for the next
+        token and read the token queue's size and the parameters (``plan``) the moment
+        it is taken (see :meth:`_token`). None when no token came with it (the wait ran
+        out, or did not run): wait with :meth:`_token` then."""
+        started = time.perf_counter()
+        size = tokens.size_commands()
+        wait = tokens.wait_command(job.WAKE_SECONDS)
+        _, replies = await self.sess.ps.push_then(
+            grads, [wait, *size, *plan.commands], step=step, versions=versions, blocking=True
+        )
+        self.metrics.pushed(started, grads)
+        token = tokens.taken(replies[:1])
+        if token is None:
+            return None
+        more = tokens.size_of(replies[1 : 1 + len(size)])
+        got = self.sess.ps.pulled(plan, replies[1 + len(size) :])
+        pulled = None if got is None else _split(got)
+        if pulled is not None:  # no round trip of its own: it rode with the push
+            self.metrics.pulled(time.perf_counter(), pulled[0].values())
+        return token, more, pulled
+
     async def _compute(
         self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
     ) -> tuple[float, dict[str, Any]]:
@@ -473,8 +502,12 @@ class Worker:
                 if sync is not None:  # push for update local_step, then wait for it
                     assert tokens is not None
                     loss, grads = await self._compute(params, batch)
-                    await self._push(grads, local_step, versions)
-                    token, more, pulled = await self._token(tokens, sync[0], plan)
+                    if plan is not None:  # the token wait and the pull ride with the push
+                        got = await self._push_then_token(grads, local_step, versions, tokens, plan)
+                    else:
+                        await self._push(grads, local_step, versions)
+                        got = None
+                    token, more, pulled = got or await self._token(tokens, sync[0], plan)
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
                         await source.used()

@@ -252,11 +252,14 @@ class PSClient:
         *,
         step: int | None = None,
         versions: Mapping[str, int] | None = None,
+        blocking: bool = False,
     ) -> tuple[dict[int, str], list[Any]]:
         """:meth:`push`, then plain Redis ``commands`` run right after shard 0's message
         is in its queue, in the same round trip (see
         :meth:`qps.queues.FIFOQueue.enqueue_then`): an asynchronous worker sends the
-        pull of its next step's parameters (:meth:`pull_plan`) with its gradients.
+        pull of its next step's parameters (:meth:`pull_plan`) with its gradients; a
+        synchronous one, with ``blocking``, its wait for the token (a ``BLPOP``) and
+        the pull after it.
 
         Returns shard -> message id, and the commands' replies, or an empty list when
         they did not run with the enqueue (then run them yourself).
@@ -264,7 +267,7 @@ class PSClient:
         Raises:
             as :meth:`push`.
         """
-        return await self._push(grads, step, versions, commands)
+        return await self._push(grads, step, versions, commands, blocking)
 
     async def _push(
         self,
@@ -272,6 +275,7 @@ class PSClient:
         step: int | None,
         versions: Mapping[str, int] | None,
         then: Sequence[Sequence[Any]],
+        blocking: bool = False,
     ) -> tuple[dict[int, str], list[Any]]:
         if not isinstance(grads, Mapping):
             raise InvalidArgumentError("push takes a mapping variable -> gradient")
@@ -316,7 +320,7 @@ class PSClient:
         try:
             await asyncio.gather(
                 *(
-                    self._send(s, p, then if s == control.GLOBAL_STEP_SHARD else (), out)
+                    self._send(s, p, then if s == control.GLOBAL_STEP_SHARD else (), out, blocking)
                     for s, p in payloads.items()
                 )
             )
@@ -343,19 +347,20 @@ class PSClient:
         payload: bytes,
         then: Sequence[Sequence[Any]] = (),
         then_out: list[Any] | None = None,
+        blocking: bool = False,
     ) -> None:
         """Enqueue one message on ``shard``'s gradient queue. A push that waited on a
         full queue while this process could not reach Redis for longer than the queue's
         lease (a network partition) finds its attempt taken for dead and undone: nothing
         was enqueued, so the same message is sent again (up to :data:`PUSH_TRIES` times
         in all). ``then``: read commands run right after it (their replies go to
-        ``then_out``)."""
+        ``then_out``); ``blocking`` ones only with the first try."""
         for attempt in range(1, PUSH_TRIES + 1):
             try:
                 element = np.frombuffer(payload, np.uint8)
                 if not then:
                     return await self._queue(shard).enqueue(element)
-                got = await self._queue(shard).enqueue_then(element, then)
+                got = await self._queue(shard).enqueue_then(element, then, blocking=blocking)
                 if then_out is not None:
                     then_out[:] = got
                 return None
@@ -363,6 +368,8 @@ class PSClient:
                 if attempt == PUSH_TRIES:
                     raise
                 log.warning("push to shard %d: %s; sending the message again", shard, exc)
+                if blocking:  # what they took in that try is gone: the caller waits itself
+                    then = ()
 
     async def global_step(self) -> int:
         """TF's ``global_step``: worker steps applied so far (advanced by shard 0 once

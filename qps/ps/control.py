@@ -597,6 +597,20 @@ class Tokens:
     async def size(self) -> int:
         return int((await self.client.run_commands(self.size_commands()))[0])
 
+    def wait_command(self, timeout: float) -> tuple[Any, ...]:
+        """The command that blocks up to ``timeout`` seconds for the next token and takes
+        it (read its reply with :meth:`taken`)."""
+        return ("BLPOP", self.key, timeout)
+
+    @staticmethod
+    def taken(replies: Sequence[Any]) -> int | None:
+        """The token from the reply to :meth:`wait_command`; None if none came in time
+        (or the reply is missing or an error)."""
+        got = replies[0] if replies else None
+        if not isinstance(got, (list, tuple)) or len(got) != 2:
+            return None
+        return int(got[1])
+
     async def take_then(
         self, commands: Sequence[Sequence[Any]], timeout: float
     ) -> tuple[int, list[Any]]:
@@ -609,7 +623,7 @@ class Tokens:
         Raises:
             DeadlineExceededError: no token came within ``timeout``.
         """
-        wait = ("BLPOP", self.key, timeout)
+        wait = self.wait_command(timeout)
         replies = await self.client.write_commands([wait, *commands])
         if replies is None:  # no lean connection (fakeredis, a cluster node unknown)
             with map_errors():

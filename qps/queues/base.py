@@ -548,6 +548,7 @@ class QueueBase:
         after: Sequence[Sequence[Any]] = (),
         sink: list[Any] | None = None,
         acked: bool = False,
+        blocking: bool = False,
     ) -> list[Any]:
         """Run one attempt to completion; returns the final reply.
 
@@ -558,7 +559,9 @@ class QueueBase:
         each script call that may deliver (the first, and the collect after each wait),
         in its round trip; ``sink`` gets the replies of those sent with the final reply
         (none if that came from elsewhere, e.g. a timed-out attempt's abort); ``acked``:
-        an acknowledged dequeue.
+        an acknowledged dequeue; ``blocking``: ``after`` may block, so it goes once, with
+        the first script call, on a connection of its own, and ``sink`` gets its replies
+        whatever the attempt does next.
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
@@ -603,11 +606,18 @@ class QueueBase:
                     sink[:] = extra
             elif after:
                 reply, extra = await client.run_script_then_commands(
-                    script, self._skeys, [f"{LEASE_MS} {tokens}", *payload], after, before=before
+                    script,
+                    self._skeys,
+                    [f"{LEASE_MS} {tokens}", *payload],
+                    after,
+                    before=before,
+                    blocking=blocking,
                 )
                 first = reply[0]
                 if sink is not None:
                     sink[:] = extra
+                if blocking:
+                    after, sink = (), None
             elif before:
                 _, reply = await client.run_commands_then_script(
                     before, script, self._skeys, [f"{LEASE_MS} {tokens}", *payload]
@@ -709,6 +719,7 @@ class QueueBase:
         order: list[bytes] | None = None,
         then: Sequence[Sequence[Any]] = (),
         then_out: list[Any] | None = None,
+        blocking: bool = False,
     ) -> None:
         client = await self._c()
         aid = client.new_id()
@@ -740,6 +751,7 @@ class QueueBase:
             before,
             after=then,
             sink=then_out,
+            blocking=blocking,
         )
         status = reply[0]
         if status == b"ok":
@@ -769,7 +781,12 @@ class QueueBase:
         await self._enqueue_one(vals, timeout)
 
     async def enqueue_then(
-        self, vals: Any, commands: Sequence[Sequence[Any]], *, timeout: float | None = None
+        self,
+        vals: Any,
+        commands: Sequence[Sequence[Any]],
+        *,
+        timeout: float | None = None,
+        blocking: bool = False,
     ) -> list[Any]:
         """:meth:`enqueue`, then plain Redis ``commands`` sent in the same round trip and
         run by the server right after the element is in: a producer that writes and
@@ -783,11 +800,17 @@ class QueueBase:
         after each wait, not only the last. On a Redis Cluster they go to this queue's
         node: keys of its slot only.
 
+        With ``blocking`` the commands may block (a synchronous worker's ``BLPOP`` for
+        its token): they run once, right after the first attempt's script whatever it
+        answered (an enqueue that must wait for room waits after them), on a connection
+        of their own; without lean connections (fakeredis) they do not run ([]). An
+        enqueue that fails (a closed queue) raises once they are done.
+
         Raises:
             as :meth:`enqueue`.
         """
         out: list[Any] = []
-        await self._enqueue_one(vals, timeout, commands, out)
+        await self._enqueue_one(vals, timeout, commands, out, blocking)
         return out
 
     async def _enqueue_one(
@@ -796,6 +819,7 @@ class QueueBase:
         timeout: float | None,
         then: Sequence[Sequence[Any]] = (),
         then_out: list[Any] | None = None,
+        blocking: bool = False,
     ) -> None:
         quick = self._quick
         if (
@@ -805,11 +829,12 @@ class QueueBase:
             and vals.shape == quick.shape
         ):  # what _prepare_one and encode_element give for it, without their checks
             blobs = [quick.header + vals.tobytes()]
-            await self._enqueue_blobs(blobs, timeout, False, None, then, then_out)
+            await self._enqueue_blobs(blobs, timeout, False, None, then, then_out, blocking)
             return
         arrays = self._prepare_one(vals)
+        blobs = [encode_element(arrays)]
         order = self._order_keys(arrays, None)
-        await self._enqueue_blobs([encode_element(arrays)], timeout, False, order, then, then_out)
+        await self._enqueue_blobs(blobs, timeout, False, order, then, then_out, blocking)
 
     async def enqueue_nowait(self, vals: Any) -> None:
         """:meth:`enqueue` that never waits.
