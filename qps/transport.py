@@ -613,25 +613,20 @@ class Client:
                 after = ()
             else:  # the script loaded first (once): a NOSCRIPT would leave them waiting
                 load = [] if script.loaded else [(b"SCRIPT", b"LOAD", script.source)]
-                got = await self._exchange(waiter, [*load, *before, command, *after])
-                for r in got[: len(load) + len(before)]:
-                    if isinstance(r, resp.ReplyError):
-                        raise translate(r) from r
-                reply, *replies = got[len(load) + len(before) :]
+                lead = [*load, *before]
+                got = await self._exchange(waiter, [*lead, command, *after])
+                reply, replies = _after_lead(got, len(lead))
                 lost = isinstance(reply, resp.ReplyError) and reply.code == "NOSCRIPT"
                 script.loaded = not lost
+                if lost:
+                    return await self.run_script(name, keys, args), []
                 if isinstance(reply, resp.ReplyError):
-                    if script.loaded:
-                        raise translate(reply) from reply
-                    reply, replies = await self.run_script(name, keys, args), []
+                    raise translate(reply) from reply
                 return reply, replies
         conn = await self._lean_now()
         if conn is not None:
             got = await _call_many(conn, [*before, command, *after])
-            for r in got[: len(before)]:
-                if isinstance(r, resp.ReplyError):
-                    raise translate(r) from r
-            reply, *replies = got[len(before) :]
+            reply, replies = _after_lead(got, len(before))
             if isinstance(reply, resp.ReplyError):
                 if reply.code != "NOSCRIPT":
                     raise translate(reply) from reply
@@ -992,6 +987,15 @@ async def pipeline_script(
         pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
     else:
         await script(keys=keys, args=args, client=pipe)
+
+
+def _after_lead(got: list[Any], n: int) -> tuple[Any, list[Any]]:
+    """The reply after the first ``n`` of a round trip's replies, and those after it;
+    an error among the first ``n`` (writes the rest depends on) raises."""
+    for r in got[:n]:
+        if isinstance(r, resp.ReplyError):
+            raise translate(r) from r
+    return got[n], got[n + 1 :]
 
 
 async def _call_many(conn: resp.Connection, commands: Sequence[Sequence[Any]]) -> list[Any]:

@@ -358,14 +358,23 @@ class Worker:
         """Push, with the next step's parameters read by ``plan`` right after it, in the
         same round trip; None if that read cannot be used (the step pulls them itself)."""
         started = time.perf_counter()
-        ps = self.sess.ps
-        _, replies = await ps.push_then(grads, plan.commands, step=step, versions=versions)
+        _, replies = await self.sess.ps.push_then(
+            grads, plan.commands, step=step, versions=versions
+        )
         self.metrics.pushed(started, grads)
-        got = ps.pulled(plan, replies) if replies else None
+        return self._rode(plan, replies)  # [] (they did not run) gives None
+
+    def _rode(
+        self, plan: ReadPlan, replies: list[Any]
+    ) -> tuple[dict[str, Any], dict[str, int]] | None:
+        """The parameters read by ``plan`` in another call's round trip (a push's, a
+        token's), counted as a pull of no time of its own; None if they cannot be
+        used (the step pulls them itself)."""
+        got = self.sess.ps.pulled(plan, replies)
         if got is None:
             return None
         pulled = _split(got)
-        self.metrics.pulled(time.perf_counter(), pulled[0].values())  # it rode with the push
+        self.metrics.pulled(time.perf_counter(), pulled[0].values())
         return pulled
 
     async def _push_then_token(
@@ -391,11 +400,7 @@ class Worker:
         if token is None:
             return None
         more = tokens.size_of(replies[1 : 1 + len(size)])
-        got = self.sess.ps.pulled(plan, replies[1 + len(size) :])
-        pulled = None if got is None else _split(got)
-        if pulled is not None:  # no round trip of its own: it rode with the push
-            self.metrics.pulled(time.perf_counter(), pulled[0].values())
-        return token, more, pulled
+        return token, more, self._rode(plan, replies[1 + len(size) :])
 
     async def _compute(
         self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
@@ -651,13 +656,7 @@ class Worker:
             if not replies:
                 return int(value), None, None
             more = tokens.size_of(replies[: len(size)])
-            pulled = None
-            if plan is not None:
-                got = self.sess.ps.pulled(plan, replies[len(size) :])
-                if got is not None:
-                    pulled = _split(got)
-                    # no round trip of its own: it rode with the token
-                    self.metrics.pulled(time.perf_counter(), pulled[0].values())
+            pulled = None if plan is None else self._rode(plan, replies[len(size) :])
             return int(value), more, pulled
 
     @staticmethod
