@@ -412,7 +412,12 @@ class Worker:
         return float(loss), grads_to_host(grads)
 
     async def _batches(self, source: _Input) -> AsyncGenerator[tuple[np.ndarray, ...], None]:
-        """Batches with the next one fetched while the current one is used."""
+        """Batches with the next one fetched while the current one is used (local
+        minibatches are cut when needed: nothing to wait for, no task per step)."""
+        if source.queue is None:
+            while (batch := await source.next()) is not None:
+                yield batch
+            return
         ahead = asyncio.ensure_future(source.next())
         try:
             while True:

@@ -317,13 +317,15 @@ class PSClient:
         for s, p in payloads.items():
             self._check_size(s, len(p))
         out: list[Any] = []
+        sends = [
+            self._send(s, p, then if s == control.GLOBAL_STEP_SHARD else (), out, blocking)
+            for s, p in payloads.items()
+        ]
         try:
-            await asyncio.gather(
-                *(
-                    self._send(s, p, then if s == control.GLOBAL_STEP_SHARD else (), out, blocking)
-                    for s, p in payloads.items()
-                )
-            )
+            if len(sends) == 1:  # one shard: no task (and no event loop turns) for it
+                await sends[0]
+            else:
+                await asyncio.gather(*sends)
         except CancelledError as exc:
             if await control.is_finished(self.client, self.container):
                 raise CancelledError(

@@ -37,9 +37,14 @@ return when the deliveries' leases run out). Killed after the apply and before a
 commit, Redis is unchanged (the applied copies were in memory); otherwise every variable
 either has committed the group's updates with all their ids recorded in the same script,
 or has not changed. The next delivery skips the variables that recorded a message's id
-and applies the others. A commit that fails drops the in-memory copies the group had
-changed (loaded again from their last commit) and gives the deliveries back. See
-``docs/ps.md``.
+and applies the others. Only a message that may have been committed is looked up in the
+recorded ids (one round trip): one whose id a variable held when the shard took it over
+(committed by an earlier owner, not acked), or one of a group whose ack or commit failed
+in this run. Any other is applied without a look-up; should a commit still find one of
+its ids recorded (refused as ``dup``, writing nothing), the variable is reloaded and the
+group delivered again, looked up this time. A commit that fails drops the in-memory
+copies the group had changed (loaded again from their last commit) and gives the
+deliveries back. See ``docs/ps.md``.
 """
 
 from __future__ import annotations
@@ -513,6 +518,9 @@ class Shard:
         #: synchronous training: gradients for updates up to this one are looked up in
         #: the applied ids before they count (see _sync_round)
         self._checked_through = 0
+        #: asynchronous training: the ids of messages that may have been committed
+        #: already (see the module docstring), looked up before they are applied
+        self._suspect: set[str] = set()
         self._acc = _Accum()
         #: synchronous training: the last update's tokens and ack, while under way
         self._settling: asyncio.Future[Any] | None = None
@@ -711,6 +719,12 @@ class Shard:
 
     # -- ownership ---------------------------------------------------------------------------
     async def _own_placed(self) -> None:
+        if self.shard == control.GLOBAL_STEP_SHARD:  # ids it counted and did not release
+            with map_errors():
+                held = await self.client.commands.zrange(
+                    keys.counter_applied(self.container, keys.GLOBAL_STEP), 0, -1
+                )
+            self._suspect.update(_text(x) for x in held)
         placed = await control.read_placement(self.client, self.container)
         for name in sorted(n for n, s in placed.items() if s == self.shard):
             if name not in self.owned:
@@ -738,6 +752,13 @@ class Shard:
             await var.init_slots(slots, self.token)
             self.log.info("variable '%s': fresh slots %s", name, want)
         o = _Owned(var, st.value, slots, st.version, st.t)
+        # ids it recorded and that were not released: committed by an earlier owner
+        # (or by this one before a failure), perhaps not acked; looked up when they come
+        with map_errors():
+            held = await self.client.commands.zrange(
+                keys.variable_applied(self.container, name), 0, -1
+            )
+        self._suspect.update(_text(x) for x in held)
         self.owned[name] = o
         self.log.debug("owning '%s' at version %d (t=%d)", name, st.version, st.t)
         return o
@@ -972,19 +993,25 @@ class Shard:
         except BaseException:
             # an apply or a commit failed: the copies it touched cannot be trusted, and
             # the messages go back (the variables that committed them skip them)
+            self._suspect.update(g.ids)
             self._forget(g)
             await self._settle(q, g.deliveries, ack=False)
             raise
         if g.redo:  # a variable refused a commit as 'dup' and was reloaded: send it all again
+            self._suspect.update(g.ids)
             await self._settle(q, g.deliveries, ack=False)
             return
         try:
             acked = await self._settle(q, g.deliveries, ack=True, count=g)
         except BaseException:  # give them back now (they are skipped) if Redis lets us
+            self._suspect.update(g.ids)
             await self._settle(q, g.deliveries, ack=False)
             raise
         if not acked:
-            return  # a lease ran out: the ids stay recorded so that the redelivery is skipped
+            # a lease ran out: the ids stay recorded so that the redelivery is skipped
+            self._suspect.update(g.ids)
+            return
+        self._suspect.difference_update(g.ids)
         await self._released(g)
 
     def _drop_payloads(self, g: _Group) -> None:
@@ -1065,7 +1092,15 @@ class Shard:
         """Apply the messages of ``items`` (checked, in order) to the in-memory state,
         recording in ``g`` what each variable must commit."""
         msgs = [it.msg for it in items if it.msg is not None]
-        flags, gs_done = await self._applied_flags(msgs)
+        # only those that may have been committed are looked up (module docstring)
+        asked = [m for m in msgs if m.id in self._suspect]
+        found = await self._applied_flags(asked) if asked else ([], [])
+        looked = {m.id: (f, gs) for m, f, gs in zip(asked, *found)}
+        flags, gs_done = [], []
+        for m in msgs:
+            f, gs = looked.get(m.id, (dict.fromkeys(m.grads, False), False))
+            flags.append(f)
+            gs_done.append(gs)
         plan: list[tuple[_Item, GradientMessage, list[str], bool]] = []
         work: list[list[tuple[_Owned, Any]]] = []
         work_bytes = 0
@@ -1157,9 +1192,10 @@ class Shard:
         failed, _ = await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids)
         for name, r in failed:
             if isinstance(r, AlreadyAppliedError):
-                # cannot happen with one writer; our copy was changed: reload it, and
-                # have the group delivered again (what this variable lacks is applied then)
-                self.log.warning("'%s' had applied a message of the group: reloading it", name)
+                # a message not looked up had been committed (an earlier owner's, not
+                # acked): our copy applied it again, reload it, and have the group
+                # delivered again (looked up then: what this variable lacks is applied)
+                self.log.info("'%s' had applied a message of the group: reloading it", name)
                 g.touched.discard(name)
                 del self.owned[name]
                 await self._own(name)
