@@ -317,6 +317,13 @@ class _Inbox:
         self.nbytes += item.nbytes
         self._changed()
 
+    def drain(self) -> list[_Item]:
+        """Every item, oldest first, taken out."""
+        out = []
+        while self.items:
+            out.append(self.take())
+        return out
+
     def take(self) -> _Item:
         item = self.items.popleft()
         self.nbytes -= item.nbytes
@@ -434,6 +441,15 @@ class _Accum:
         return SparseGradient(rows, sums / hits.reshape(-1, *([1] * (vals.ndim - 1))))
 
 
+def _deliveries(items: Sequence[_Item]) -> list[Delivery]:
+    """The deliveries of ``items``, each once, in order."""
+    out: list[Delivery] = []
+    for it in items:
+        if it.delivery is not None and not any(d is it.delivery for d in out):
+            out.append(it.delivery)
+    return out
+
+
 def _joined(ds: list[Delivery]) -> Delivery:
     """Several deliveries as one (one ack, nack or touch call for all, in order)."""
     if len(ds) == 1:
@@ -521,6 +537,13 @@ class Shard:
         #: asynchronous training: the ids of messages that may have been committed
         #: already (see the module docstring), looked up before they are applied
         self._suspect: set[str] = set()
+        #: deliveries of a group (or update) that failed: they go back to the front of
+        #: the queue when the loop ends (the failure ends it), in order, ahead of those
+        #: read ahead of them
+        self._give_back: list[Delivery] = []
+        #: the reader's take under way was sent while elements waited behind its last
+        #: one: they are on their way to the inbox (a group waits for them)
+        self._incoming = False
         self._acc = _Accum()
         #: synchronous training: the last update's tokens and ack, while under way
         self._settling: asyncio.Future[Any] | None = None
@@ -828,13 +851,15 @@ class Shard:
             if self._settling is not None:  # unacked, its messages come again: applied
                 await _quietly(self._settled())
             await _quietly(self._release_now())
-            left: list[Delivery] = []
-            for it in (*self._acc.items, *inbox.items):  # each delivery once, in order
-                if it.delivery is not None and not any(d is it.delivery for d in left):
-                    left.append(it.delivery)
+            # a failed group's deliveries, then those taken ahead (never applied): back
+            # to the front, in order, each once
+            left, self._give_back = self._give_back, []
+            for d in _deliveries([*self._acc.items, *inbox.items]):
+                if not any(d is x for x in left):
+                    left.append(d)
             inbox.items.clear()
             self._acc = _Accum()
-            if left:  # taken ahead, never applied: back to the front, in order
+            if left:
                 await self._settle(q, left, ack=False)
             self._inbox = None
 
@@ -853,16 +878,20 @@ class Shard:
                 if self._stop.is_set():
                     return
                 room = inbox.room(each) if more else 1
-                if room > 1:
-                    try:
-                        d, replies = await q.dequeue_ready_acked(room, then=size)
-                    except WouldBlockError:
-                        more = False
-                        continue
-                    values = list(d.value)
-                else:
-                    d, replies = await q.dequeue_acked_then(size)
-                    values = [d.value]
+                self._incoming = more
+                try:
+                    if room > 1:
+                        try:
+                            d, replies = await q.dequeue_ready_acked(room, then=size)
+                        except WouldBlockError:
+                            more = False
+                            continue
+                        values = list(d.value)
+                    else:
+                        d, replies = await q.dequeue_acked_then(size)
+                        values = [d.value]
+                finally:
+                    self._incoming = False
                 more = bool(size) and bool(q.size_of(replies))
                 self._held.append(d)
                 items = [self._item(d, v, len(values) > 1) for v in values]
@@ -975,7 +1004,8 @@ class Shard:
                     continue
                 if inbox.done or inbox.error is not None:
                     break
-                if not await q.size():  # nothing is coming: commit now
+                # nothing is coming (none on its way, none queued): commit now
+                if not self._incoming and not await q.size():
                     break
                 await inbox.until(more, left)
                 if not inbox.items:
@@ -988,24 +1018,24 @@ class Shard:
             self.log.error("%s", self._lost)
             self._halt()
             self._forget(g)
-            await self._settle(q, g.deliveries, ack=False)
+            self._give_back += g.deliveries  # the loop ends now
             return
         except BaseException:
             # an apply or a commit failed: the copies it touched cannot be trusted, and
             # the messages go back (the variables that committed them skip them)
             self._suspect.update(g.ids)
             self._forget(g)
-            await self._settle(q, g.deliveries, ack=False)
+            self._give_back += g.deliveries
             raise
         if g.redo:  # a variable refused a commit as 'dup' and was reloaded: send it all again
-            self._suspect.update(g.ids)
-            await self._settle(q, g.deliveries, ack=False)
+            self._suspect.update(g.ids)  # with what was read ahead of it, in order
+            await self._settle(q, [*g.deliveries, *_deliveries(inbox.drain())], ack=False)
             return
         try:
             acked = await self._settle(q, g.deliveries, ack=True, count=g)
-        except BaseException:  # give them back now (they are skipped) if Redis lets us
+        except BaseException:  # given back (they are skipped) if Redis lets us
             self._suspect.update(g.ids)
-            await self._settle(q, g.deliveries, ack=False)
+            self._give_back += g.deliveries
             raise
         if not acked:
             # a lease ran out: the ids stay recorded so that the redelivery is skipped
@@ -1501,7 +1531,7 @@ class Shard:
                 raise failure
         except BaseException:
             self._forget(g)
-            await self._settle(q, deliveries, ack=False)
+            self._give_back += deliveries  # the loop ends: given back with the rest
             raise
         self.sync_step += 1
 
