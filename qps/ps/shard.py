@@ -300,6 +300,9 @@ class _Inbox:
         self.items: deque[_Item] = deque()
         self.nbytes = 0
         self.done = False  # the queue is closed and drained
+        #: the loop is ending: the reader stops taking (a take under way when it was
+        #: cancelled may still complete: its messages are put here, then given back)
+        self.closing = False
         self.error: BaseException | None = None
         self._max_items, self._max_bytes = max_items, max_bytes
         self._waiting: list[asyncio.Future[None]] = []
@@ -845,6 +848,8 @@ class Shard:
                     return "finished"
             return "stopped"
         finally:
+            inbox.closing = True
+            inbox.wake()
             fetcher.cancel()
             toucher.cancel()
             await asyncio.gather(fetcher, toucher, return_exceptions=True)
@@ -874,8 +879,10 @@ class Shard:
         more, each = False, 0
         try:
             while True:
-                await inbox.until(lambda: not inbox.full() or self._stop.is_set())
-                if self._stop.is_set():
+                await inbox.until(
+                    lambda: not inbox.full() or self._stop.is_set() or inbox.closing
+                )
+                if self._stop.is_set() or inbox.closing:
                     return
                 room = inbox.room(each) if more else 1
                 self._incoming = more
