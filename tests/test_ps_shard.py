@@ -163,18 +163,25 @@ async def _setup_two(sess: qps.Session) -> None:
     await qps.ps.place_variables(sess.client, C, ["a", "b"])
 
 
-async def test_redelivery_after_a_crash_between_two_commits(job: Job) -> None:
-    """The skip-if-applied path: variable a committed the message, b did not, the shard
-    died before the ack; the redelivered message updates b only, and the step once."""
-    sess = await job.session()
+async def _committed_to_a_only(job: Job, sess: qps.Session) -> tuple[GradientMessage, Shard]:
+    """Variables "a" and "b" on one shard, and a message for both that a first shard
+    committed to "a" only (then it was "killed", before the ack); the message and that
+    shard."""
     await _setup_two(sess)
     m = _message(sess, {"a": np.array([1.0, 1.0]), "b": np.array([2.0, 2.0])})
     first = Shard(await job.make_client(), ShardOptions(0, 1, container=C, lease_ms=600))
     first.optimizer = SGD(learning_rate=1.0)
     assert await first._acquire()
     await first._own_placed()
-    # the same message (same id), committed to "a" only: then "killed"
     await first._apply(dataclasses.replace(m, grads={"a": m.grads["a"]}, global_step=False))
+    return m, first
+
+
+async def test_redelivery_after_a_crash_between_two_commits(job: Job) -> None:
+    """The skip-if-applied path: variable a committed the message, b did not, the shard
+    died before the ack; the redelivered message updates b only, and the step once."""
+    sess = await job.session()
+    m, first = await _committed_to_a_only(job, sess)
     # the queue gives the message back (its delivery lease ran out)
     await control.gradient_queue(sess.client, C, 0).enqueue(
         np.frombuffer(encode_message(m), np.uint8)
@@ -230,13 +237,7 @@ async def test_a_commit_not_looked_up_is_refused_and_the_group_delivered_again(
     message once."""
     caplog.set_level("INFO", logger="qps")
     sess = await job.session()
-    await _setup_two(sess)
-    m = _message(sess, {"a": np.array([1.0, 1.0]), "b": np.array([2.0, 2.0])})
-    first = Shard(await job.make_client(), ShardOptions(0, 1, container=C, lease_ms=600))
-    first.optimizer = SGD(learning_rate=1.0)
-    assert await first._acquire()
-    await first._own_placed()
-    await first._apply(dataclasses.replace(m, grads={"a": m.grads["a"]}, global_step=False))
+    m, _ = await _committed_to_a_only(job, sess)
     placed = Shard._own_placed
 
     async def forgetful(self: Shard) -> None:
@@ -642,9 +643,7 @@ async def test_a_dead_holder_of_this_host_is_taken_over_at_once(job: Job) -> Non
     assert await asyncio.wait_for(task, 10) == "stopped"
 
 
-async def test_a_live_holder_is_not_taken_over(
-    job: Job, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_live_holder_is_not_taken_over(job: Job, caplog: pytest.LogCaptureFixture) -> None:
     """The same with a live holder (a pid that exists): the new copy waits as a standby."""
     import os
     import socket
