@@ -746,11 +746,7 @@ class Shard:
     # -- ownership ---------------------------------------------------------------------------
     async def _own_placed(self) -> None:
         if self.shard == control.GLOBAL_STEP_SHARD:  # ids it counted and did not release
-            with map_errors():
-                held = await self.client.commands.zrange(
-                    keys.counter_applied(self.container, keys.GLOBAL_STEP), 0, -1
-                )
-            self._suspect.update(_text(x) for x in held)
+            await self._suspect_held(keys.counter_applied(self.container, keys.GLOBAL_STEP))
         placed = await control.read_placement(self.client, self.container)
         for name in sorted(n for n, s in placed.items() if s == self.shard):
             if name not in self.owned:
@@ -778,16 +774,18 @@ class Shard:
             await var.init_slots(slots, self.token)
             self.log.info("variable '%s': fresh slots %s", name, want)
         o = _Owned(var, st.value, slots, st.version, st.t)
-        # ids it recorded and that were not released: committed by an earlier owner
-        # (or by this one before a failure), perhaps not acked; looked up when they come
-        with map_errors():
-            held = await self.client.commands.zrange(
-                keys.variable_applied(self.container, name), 0, -1
-            )
-        self._suspect.update(_text(x) for x in held)
+        await self._suspect_held(keys.variable_applied(self.container, name))
         self.owned[name] = o
         self.log.debug("owning '%s' at version %d (t=%d)", name, st.version, st.t)
         return o
+
+    async def _suspect_held(self, applied_key: str) -> None:
+        """Take the ids an ``applied`` set holds for messages that may have been
+        committed: recorded and not released (by an earlier owner, or by this one before
+        a failure), perhaps not acked; they are looked up when they come."""
+        with map_errors():
+            held = await self.client.commands.zrange(applied_key, 0, -1)
+        self._suspect.update(_text(x) for x in held)
 
     async def _resolve(self, name: str) -> _Owned:
         o = self.owned.get(name)
@@ -859,10 +857,9 @@ class Shard:
             # a failed group's deliveries, then those taken ahead (never applied): back
             # to the front, in order, each once
             left, self._give_back = self._give_back, []
-            for d in _deliveries([*self._acc.items, *inbox.items]):
+            for d in _deliveries([*self._acc.items, *inbox.drain()]):
                 if not any(d is x for x in left):
                     left.append(d)
-            inbox.items.clear()
             self._acc = _Accum()
             if left:
                 await self._settle(q, left, ack=False)
