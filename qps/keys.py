@@ -67,9 +67,9 @@ def check_container(container: str) -> str:
     Raises:
         InvalidArgumentError: empty, too long, or a character outside ``[A-Za-z0-9_.:-]``.
     """
-    from qps.errors import InvalidArgumentError
-
     if not isinstance(container, str) or not _CONTAINER_RE.match(container):
+        from qps.errors import InvalidArgumentError  # only on failure: a hot path
+
         raise InvalidArgumentError(
             f"invalid container name {container!r}: use 1-128 characters from [A-Za-z0-9_.:-]"
         )
@@ -82,9 +82,9 @@ def check_name(name: str) -> str:
     Raises:
         InvalidArgumentError: empty, too long, or a character outside ``[A-Za-z0-9_.:/-]``.
     """
-    from qps.errors import InvalidArgumentError
-
     if not isinstance(name, str) or not _NAME_RE.match(name):
+        from qps.errors import InvalidArgumentError  # only on failure: a hot path
+
         raise InvalidArgumentError(
             f"invalid resource name {name!r}: use 1-200 characters from [A-Za-z0-9_.:/-]"
         )
