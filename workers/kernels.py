@@ -272,17 +272,18 @@ def softmax_cross_entropy(
             ),
         )
         return float(row_loss.sum(dtype=np.float64)) / n, (grad if with_grad else None)
-    rows = xp.arange(n)
+    # Each row's label picked by one flat index (one gather, not a gather by (row,
+    # label) pairs); the gradient made in place in exp(z): (e / s - onehot) / N.
     z = logits - logits.max(axis=1, keepdims=True)
     e = xp.exp(z)
-    s = e.sum(axis=1, keepdims=True)
-    loss = float((xp.log(s[:, 0]) - z[rows, labels]).sum(dtype=np.float64)) / n
+    s = e.sum(axis=1)
+    picked = xp.arange(0, n * c, c) + labels
+    loss = float((xp.log(s) - z.ravel()[picked]).sum(dtype=np.float64)) / n
     if not with_grad:
         return loss, None
-    grad = e / s
-    grad[rows, labels] -= 1
-    grad *= logits.dtype.type(1.0 / n)
-    return loss, grad
+    e /= (s * logits.dtype.type(n))[:, None]
+    e.ravel()[picked] -= logits.dtype.type(1.0 / n)
+    return loss, e
 
 
 def sigmoid_cross_entropy(logits: Array, labels: Array) -> tuple[float, Array]:
