@@ -63,10 +63,13 @@ DATA = MODEL = ""
 SYNC = False
 
 
-def configure(name: str) -> None:
+def configure(name: str, steps: int | None = None) -> None:
+    """Set the globals to workload ``name``'s (``steps``: another number of steps per
+    worker, as bench/cpu_per_update.py runs)."""
     global STEPS, BATCH, LR, SIZES, DATA, MODEL, SYNC
     w = WORKLOADS[name]
     STEPS, BATCH, LR, SIZES = w["steps"], w["batch"], np.float32(w["lr"]), w["sizes"]
+    STEPS = steps or STEPS
     DATA, MODEL, SYNC = w["data"], w["model"], bool(w.get("sync"))
 
 
@@ -190,10 +193,10 @@ def measured(run: Any, *args: Any) -> dict[str, Any]:
 # -- raw Redis PS ---------------------------------------------------------------------------
 
 
-def _raw_ps(workload: str, url: str, ready: Any) -> None:
+def _raw_ps(workload: str, url: str, ready: Any, steps: int) -> None:
     import redis
 
-    configure(workload)
+    configure(workload, steps)
     r = redis.Redis.from_url(url)
     p = init()
     r.set("params", flat(p))
@@ -217,10 +220,10 @@ def _raw_ps(workload: str, url: str, ready: Any) -> None:
         r.rpush(b"ack:" + wid, 1)
 
 
-def _raw_worker(workload: str, url: str, k: int, ready: Any, out: Any) -> None:
+def _raw_worker(workload: str, url: str, k: int, ready: Any, out: Any, steps: int) -> None:
     import redis
 
-    configure(workload)
+    configure(workload, steps)
     r = redis.Redis.from_url(url)
     xtr, ytr, _, _ = dataset()
     order = batches(len(ytr), np.random.default_rng(1 + k))
@@ -241,9 +244,9 @@ def run_raw(workload: str, url: str) -> dict[str, Any]:
     redis.Redis.from_url(url).flushall()
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
-    ps = ctx.Process(target=_raw_ps, args=(workload, url, ready))
+    ps = ctx.Process(target=_raw_ps, args=(workload, url, ready, STEPS))
     ws = [
-        ctx.Process(target=_raw_worker, args=(workload, url, k, ready, out))
+        ctx.Process(target=_raw_worker, args=(workload, url, k, ready, out, STEPS))
         for k in range(WORKERS)
     ]
     for proc in (ps, *ws):
