@@ -446,10 +446,15 @@ class _Accum:
 
 def _deliveries(items: Sequence[_Item]) -> list[Delivery]:
     """The deliveries of ``items``, each once, in order."""
+    return _each_once([it.delivery for it in items if it.delivery is not None])
+
+
+def _each_once(ds: Sequence[Delivery]) -> list[Delivery]:
+    """``ds`` with each delivery once (by identity), in order."""
     out: list[Delivery] = []
-    for it in items:
-        if it.delivery is not None and not any(d is it.delivery for d in out):
-            out.append(it.delivery)
+    for d in ds:
+        if not any(d is x for x in out):
+            out.append(d)
     return out
 
 
@@ -856,10 +861,9 @@ class Shard:
             await _quietly(self._release_now())
             # a failed group's deliveries, then those taken ahead (never applied): back
             # to the front, in order, each once
-            left, self._give_back = self._give_back, []
-            for d in _deliveries([*self._acc.items, *inbox.drain()]):
-                if not any(d is x for x in left):
-                    left.append(d)
+            taken = [*self._acc.items, *inbox.drain()]
+            left = _each_once([*self._give_back, *_deliveries(taken)])
+            self._give_back = []
             self._acc = _Accum()
             if left:
                 await self._settle(q, left, ack=False)
