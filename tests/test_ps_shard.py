@@ -177,20 +177,30 @@ async def _committed_to_a_only(job: Job, sess: qps.Session) -> tuple[GradientMes
     return m, first
 
 
+async def _redeliver(sess: qps.Session, m: GradientMessage) -> None:
+    """The queue gives message ``m`` back (as when its delivery lease ran out)."""
+    await control.gradient_queue(sess.client, C, 0).enqueue(
+        np.frombuffer(encode_message(m), np.uint8)
+    )
+
+
+async def _each_applied_once(sess: qps.Session) -> None:
+    """After the global step's first update: "a" and "b" hold the message of
+    ``_committed_to_a_only`` once each (SGD, learning rate 1)."""
+    await _steps(sess, 1)
+    got = await sess.pull(["a", "b"])
+    assert got["a"].value.tolist() == [-1.0, -1.0] and got["a"].version == 1
+    assert got["b"].value.tolist() == [-2.0, -2.0] and got["b"].version == 1
+
+
 async def test_redelivery_after_a_crash_between_two_commits(job: Job) -> None:
     """The skip-if-applied path: variable a committed the message, b did not, the shard
     died before the ack; the redelivered message updates b only, and the step once."""
     sess = await job.session()
     m, first = await _committed_to_a_only(job, sess)
-    # the queue gives the message back (its delivery lease ran out)
-    await control.gradient_queue(sess.client, C, 0).enqueue(
-        np.frombuffer(encode_message(m), np.uint8)
-    )
+    await _redeliver(sess, m)
     second, _task = await job.shard()
-    await _steps(sess, 1)
-    got = await sess.pull(["a", "b"])
-    assert got["a"].value.tolist() == [-1.0, -1.0] and got["a"].version == 1
-    assert got["b"].value.tolist() == [-2.0, -2.0] and got["b"].version == 1
+    await _each_applied_once(sess)
     assert second.token > first.token
     st = await control.shard_status(sess.client, C, 0)
     assert (st.applied, st.skipped) == (1, 0)
@@ -212,9 +222,7 @@ async def test_redelivery_of_a_fully_applied_message_is_skipped(job: Job) -> Non
     done = await first._apply(m)  # everything committed, then killed before the ack
     assert done.fresh == 1 and sorted(done.vars) == ["a", "b"] and done.gs_ids == [m.id]
     assert await sess.global_step() == 1
-    await control.gradient_queue(sess.client, C, 0).enqueue(
-        np.frombuffer(encode_message(m), np.uint8)
-    )
+    await _redeliver(sess, m)
     second, _ = await job.shard()
 
     async def skipped() -> bool:
@@ -245,14 +253,9 @@ async def test_a_commit_not_looked_up_is_refused_and_the_group_delivered_again(
         self._suspect.clear()
 
     monkeypatch.setattr(Shard, "_own_placed", forgetful)
-    await control.gradient_queue(sess.client, C, 0).enqueue(
-        np.frombuffer(encode_message(m), np.uint8)
-    )
+    await _redeliver(sess, m)
     second, _ = await job.shard()
-    await _steps(sess, 1)
-    got = await sess.pull(["a", "b"])
-    assert got["a"].value.tolist() == [-1.0, -1.0] and got["a"].version == 1
-    assert got["b"].value.tolist() == [-2.0, -2.0] and got["b"].version == 1
+    await _each_applied_once(sess)
     assert await sess.global_step() == 1
 
     async def counted() -> bool:  # once the group's ack is done: b had committed it
