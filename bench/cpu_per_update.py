@@ -28,8 +28,8 @@ import argparse
 import collections
 import hashlib
 import json
+import math
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -47,8 +47,8 @@ def _redis_cpu(r: Any) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _role(argv: list[str]) -> str | None:
-    """The role of a process from its command line (None: not one of the run's)."""
+def _role(argv: list[str]) -> str:
+    """The role of a process of a run, from its command line."""
     line = " ".join(argv)
     if "qps.cli.main" in line or "qps/cli/main.py" in line:
         for word in ("worker", "ps", "feed"):
@@ -76,9 +76,7 @@ def run_once(impl: str, workload: str, url: str, steps: int) -> dict[str, Any]:
         cpu: dict[str, float] = collections.defaultdict(float)
         for f in Path(d).glob("*.json"):
             got = json.loads(f.read_text(encoding="utf-8"))
-            role = _role(got["argv"])
-            if role is not None:
-                cpu[role] += got["cpu"]
+            cpu[_role(got["argv"])] += got["cpu"]
     cpu["redis"] = redis_cpu
     updates = ta.STEPS * (1 if ta.SYNC else ta.WORKERS)
     return {"seconds": out["seconds"], "cpu": dict(cpu), "updates": updates}
@@ -187,7 +185,7 @@ def main() -> None:
         print("|---|---|---|")
         for key, n, us in costs[:20]:
             print(f"| {key} | {n:.2f} | {us:.1f} |")
-        print(f"| all | | {statistics.fsum(u for _, _, u in costs):.1f} |")
+        print(f"| all | | {math.fsum(u for _, _, u in costs):.1f} |")
 
 
 if __name__ == "__main__":
