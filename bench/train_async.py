@@ -325,10 +325,10 @@ def main() -> None:
             ), flush=True)  # fmt: skip
     finally:
         server.stop()
-    rate = {
-        k: statistics.median(STEPS * WORKERS * BATCH / r["seconds"] for r in v)
-        for k, v in got.items()
-    }
+    rates = {k: [STEPS * WORKERS * BATCH / r["seconds"] for r in v] for k, v in got.items()}
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    # each repetition's qps against the raw run next to it (repetition-major order)
+    ratios = [q / r for q, r in zip(rates["qps"], rates["raw"])]
     acc = {k: statistics.median(r["accuracy"] for r in v) for k, v in got.items()}
     stale = got["qps"][-1]
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -336,22 +336,25 @@ def main() -> None:
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
     steps = STEPS * WORKERS
     p_bytes = sum(4 * (i * o + o) for i, o in SIZES)  # float32 weights and biases
-    print(f"| {args.workload.upper()} | examples/s | test accuracy | loopback bytes per "
-          "worker step |")  # fmt: skip
+    print(f"| {args.workload.upper()} | examples/s, median [min-max] | test accuracy | "
+          "loopback bytes per worker step |")  # fmt: skip
     print("|---|---|---|---|")
     for k in ("qps", "raw", "numpy"):
         lo = [r["lo_bytes"] for r in got[k] if r.get("lo_bytes") is not None]
         per = f"{statistics.median(lo) / steps / 1e6:.1f} MB" if lo else "—"
-        print(f"| {k} | {rate[k]:,.0f} | {acc[k]:.3f} | {per} |")
+        spread = f"{rate[k]:,.0f} [{min(rates[k]):,.0f}-{max(rates[k]):,.0f}]"
+        print(f"| {k} | {spread} | {acc[k]:.3f} | {per} |")
     print(
         f"\nP = {p_bytes:,} bytes; payload through Redis per worker step: 4P = "
         f"{4 * p_bytes / 1e6:.1f} MB for both (pull, push, the PS's read and write)"
     )
     goal = {"w4": 1.2, "w5": 2.0, "w6": 1.0}[args.workload]
-    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}); qps staleness "
-          f"p50 {stale['staleness_p50']} / p99 {stale['staleness_p99']}")  # fmt: skip
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}; per repetition "
+          f"{each}); qps staleness p50 {stale['staleness_p50']} / p99 "
+          f"{stale['staleness_p99']}")  # fmt: skip
     if args.json:
-        print(json.dumps({"rate": rate, "accuracy": acc}))
+        print(json.dumps({"rate": rate, "rates": rates, "ratios": ratios, "accuracy": acc}))
 
 
 if __name__ == "__main__":
