@@ -66,6 +66,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 C = "chaos"
 FAULTS = ("shard-kill", "worker-kill", "stop", "redis-restart", "cut", "blackhole", "partition")
+#: how long a cut that finds no connection open waits for one
+CUT_WAIT_S = 10.0
 
 
 def grad(worker: int, step: int, var: int, workers: int) -> np.ndarray:
@@ -226,6 +228,7 @@ class Proxy:
         self.tasks: set[asyncio.Task[None]] = set()
         self.light = asyncio.Event()  # cleared while a blackhole lasts
         self.light.set()
+        self.joined = asyncio.Event()  # set by each new proxied connection
         self.accepted = 0
 
     async def start(self) -> None:
@@ -242,6 +245,7 @@ class Proxy:
             return
         pair = (writer, up_writer)
         self.pairs.add(pair)
+        self.joined.set()
         pumps = [asyncio.ensure_future(self._pump(reader, up_writer, pair)),
                  asyncio.ensure_future(self._pump(up_reader, writer, pair))]  # fmt: skip
         for t in pumps:
@@ -278,6 +282,16 @@ class Proxy:
             for w in pair:
                 _reset(w)
         return len(pairs)
+
+    async def cut_connected(self, timeout: float) -> int:
+        """:meth:`cut`, after waiting up to ``timeout`` s for a connection when none is
+        open (just after a Redis restart every role may be between two connections: a
+        cut then would reset nothing)."""
+        if not self.pairs:
+            self.joined.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.joined.wait(), timeout)
+        return self.cut()
 
     async def blackhole(self, seconds: float, *, cut: bool = True) -> int:
         """Forward nothing for ``seconds`` (connections stay open, bytes wait), then cut
@@ -516,7 +530,7 @@ class Chaos:
             self.redis_down = False
             self.events.append({"t": now, "fault": kind})
         elif kind == "cut":
-            n = self.proxy.cut()
+            n = await self.proxy.cut_connected(CUT_WAIT_S)
             self.events.append({"t": now, "fault": kind, "connections": n})
         elif kind == "blackhole":
             n = await self.proxy.blackhole(self.args.blackhole_seconds)
