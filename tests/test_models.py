@@ -354,8 +354,8 @@ def test_build_model(spec, kind, text):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("mlp", r"'mlp' is not NAME:OPTIONS; names: embbag, mlp, softmax"),
-        ("cnn:3", r"unknown model 'cnn'; names: embbag, mlp, softmax, py:MODULE.ATTR"),
+        ("mlp", r"'mlp' is not NAME:OPTIONS; names: embbag, mlp, packed, softmax"),
+        ("cnn:3", r"unknown model 'cnn'; names: embbag, mlp, packed, softmax, py:MODULE.ATTR"),
         ("mlp:", r"model mlp: options missing; usage: mlp:IN,HIDDEN...,CLASSES"),
         ("mlp:64", r"model mlp: needs at least 2 widths"),
         ("mlp:64,x,10", r"model mlp: 'x' is not an int >= 1; usage: mlp:IN"),

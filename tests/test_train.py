@@ -242,3 +242,35 @@ def test_sync_mode_with_a_backup_worker_survives_a_killed_worker(train: Train) -
     assert 150 <= result["global_step"] <= 320, result
     assert result["test_value"] >= 0.9, result
     assert _processes_of(c) == []
+
+
+def test_a_packed_model_trains_exactly_as_the_model_with_its_parts_on_every_shard(
+    redis_url: str,
+) -> None:
+    """`--model packed:2:mlp:...` stores the MLP's parameters as two flat parts, one per
+    shard (round-robin placement), and sync training (one averaged update of the same
+    two gradients per step) ends with the test accuracy of the plain model: the same
+    arithmetic on the same numbers."""
+    import redis
+
+    from qps import keys
+
+    results = {}
+    for model in ("mlp:64,128,10", "packed:2:mlp:64,128,10"):
+        c = _container()
+        proc = _train("--model", model, "--mode", "sync", "--ps", "2", "--workers", "2",
+                      "--steps", "150", "--json", "-q", "--container", c,
+                      url=redis_url)  # fmt: skip
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results[model] = json.loads(out)
+        assert results[model]["global_step"] == 150, results[model]
+        assert _processes_of(c) == []
+        if model.startswith("packed"):
+            r = redis.Redis.from_url(redis_url)
+            if r.info("cluster").get("cluster_enabled"):
+                r = redis.RedisCluster.from_url(redis_url)
+            placed = {k.decode(): int(v) for k, v in r.hgetall(keys.ps_placement(c)).items()}
+            assert placed == {"packed/0": 0, "packed/1": 1}, placed
+    plain, packed = results.values()
+    assert packed["test_value"] == plain["test_value"] >= 0.9, results

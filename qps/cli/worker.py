@@ -23,8 +23,10 @@ from qps.cli import (
 
 MODEL_HELP = (
     "The model, NAME:OPTIONS: softmax:IN,CLASSES; mlp:IN,HIDDEN...,CLASSES; "
-    "embbag:tables=...,dim=...; py:MODULE.ATTR[:OPTIONS] for a model of your own "
-    "(see docs/models.md)."
+    "embbag:tables=...,dim=...; packed:[GROUPS:]INNER for model INNER with its dense "
+    "parameters stored as GROUPS flat variables (faster updates for small dense models; "
+    "GROUPS = the number of PS shards spreads them); py:MODULE.ATTR[:OPTIONS] for a "
+    "model of your own (see docs/models.md)."
 )
 DATA_HELP = (
     "Where batches come from: a built-in data set, each worker drawing its own "

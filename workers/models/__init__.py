@@ -5,6 +5,8 @@
   :class:`ParamSpec`, :class:`Rows` and :class:`BaseModel`.
 * :mod:`workers.models.mlp` — :class:`SoftmaxRegression` and :class:`MLP`.
 * :mod:`workers.models.embbag` — :class:`EmbeddingBagMLP` (sparse, CTR style).
+* :mod:`workers.models.packed` — :class:`Packed`: a model's dense parameters stored as
+  a few flat variables.
 * :mod:`workers.models.registry` — :func:`build_model` from a ``--model`` spec string.
 
 ``docs/models.md`` describes the protocol and how to plug in a model of your own.
@@ -24,6 +26,7 @@ from workers.models.base import (
 )
 from workers.models.embbag import EmbeddingBagMLP
 from workers.models.mlp import MLP, SoftmaxRegression
+from workers.models.packed import Packed
 from workers.models.registry import build_model, model_names, register_model
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "BaseModel",
     "EmbeddingBagMLP",
     "Model",
+    "Packed",
     "ParamSpec",
     "Params",
     "Rows",

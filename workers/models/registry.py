@@ -11,6 +11,10 @@ A spec is ``NAME:OPTIONS``; each registered name parses its own options:
   sizes joined by ``-``, ``SIZExCOUNT`` repeats one), ``dim`` (8), ``dense`` (0),
   ``hidden`` (``64``; ``-``-joined widths, ``none`` for none), ``classes`` (1: binary),
   ``pool`` (``sum`` | ``mean``), ``bag`` (1), ``seed`` (0).
+* ``packed:[GROUPS:]INNER`` — :class:`~workers.models.packed.Packed`: the model of spec
+  ``INNER`` with its dense parameters stored as ``GROUPS`` (default 1) flat variables
+  ``packed/0``, ... (fewer, larger variables: a cheaper update for small dense models),
+  e.g. ``packed:mlp:64,128,10`` or ``packed:2:mlp:64,128,10`` for two PS shards.
 * ``py:MODULE.ATTR[:OPTIONS]`` — a model of your own: ``MODULE.ATTR`` is imported and
   called (with the options string if one is given, with no argument otherwise) and
   must return an object with the :class:`~workers.models.Model` methods.
@@ -28,6 +32,7 @@ from qps.errors import InvalidArgumentError
 from workers.models.base import Model
 from workers.models.embbag import EmbeddingBagMLP, parse_vocab
 from workers.models.mlp import MLP, SoftmaxRegression
+from workers.models.packed import Packed
 
 __all__ = ["MODEL_METHODS", "build_model", "model_names", "register_model"]
 
@@ -96,6 +101,22 @@ def _softmax(options: str) -> Model:
             f"model softmax: needs exactly 2 numbers; usage: {_SOFTMAX_USAGE}"
         )
     return SoftmaxRegression(widths[0], widths[1])
+
+
+_PACKED_USAGE = "packed:[GROUPS:]INNER (e.g. packed:mlp:64,128,10 or packed:2:mlp:64,128,10)"
+
+
+def _packed(options: str) -> Model:
+    groups, colon, rest = options.partition(":")
+    count = 1
+    if colon and groups.strip().isdigit():
+        count = int(groups)
+        if count < 1:
+            raise InvalidArgumentError(f"model packed: GROUPS must be >= 1; usage: {_PACKED_USAGE}")
+        options = rest
+    if options.strip().lower().startswith("packed:"):
+        raise InvalidArgumentError("model packed: a packed model cannot be packed again")
+    return Packed(build_model(options), count)
 
 
 _EMBBAG_INTS = ("dim", "dense", "classes", "bag", "seed")
@@ -204,3 +225,4 @@ def build_model(spec: str) -> Model:
 register_model("mlp", _mlp, _MLP_USAGE)
 register_model("softmax", _softmax, _SOFTMAX_USAGE)
 register_model("embbag", _embbag, _EMBBAG_USAGE)
+register_model("packed", _packed, _PACKED_USAGE)
