@@ -8,6 +8,9 @@ per worker per update).
 * **qps**: ``workers.launcher.run_job`` with 1 PS shard and 2 workers (``qps train --ps
   1 --workers 2``). T is from the first worker's first step to the last worker's last
   step (wall clock, published by the workers), so process start-up is not counted.
+* **qps packed** (W4, W6; ``--packed``): the same with ``--model packed:<model>``
+  (``workers.models.Packed``: the MLP's four parameters stored as one flat variable,
+  the same arithmetic; docs/models.md).
 * **raw**: one PS process and two worker processes with synchronous redis-py clients,
   no qps code. Worker step: ``GET params`` -> NumPy gradient -> ``RPUSH grads`` (worker
   id + gradient) -> ``BLPOP ack:<worker>``. PS: ``BLPOP grads`` -> apply -> ``SET
@@ -24,6 +27,7 @@ bytes) over the whole run of each side (set-up and the final reads included), as
 WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
+                                [--packed both|only|no]
 """
 
 from __future__ import annotations
@@ -263,7 +267,7 @@ def run_raw(workload: str, url: str) -> dict[str, Any]:
 # -- qps ------------------------------------------------------------------------------------
 
 
-def run_qps(url: str, rep: int) -> dict[str, Any]:
+def run_qps(url: str, rep: int, packed: bool = False) -> dict[str, Any]:
     import redis
 
     from workers import job
@@ -273,7 +277,7 @@ def run_qps(url: str, rep: int) -> dict[str, Any]:
     container = f"bench-{rep}"
     cfg = TrainConfig(
         num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
-        model=MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
+        model=f"packed:{MODEL}" if packed else MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
         sync_replicas=WORKERS if SYNC else None,
     )  # fmt: skip
 
@@ -304,8 +308,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", choices=["1", "default"], default="1",
                     help="OPENBLAS_NUM_THREADS for every process (default 1)")  # fmt: skip
+    ap.add_argument("--packed", choices=["both", "only", "no"], default=None,
+                    help="qps with the model packed (packed:<model>) too, instead, or not "
+                    "(default: both for W4 and W6, no for W5)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    packed = args.packed or ("no" if args.workload == "w5" else "both")
+    impls = {"both": ["qps", "qps packed"], "only": ["qps packed"], "no": ["qps"]}[packed]
     if args.threads == "1":
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
     configure(args.workload)
@@ -314,11 +323,12 @@ def main() -> None:
     server = harness.BenchServer().start()
     where = server.describe()
     try:
-        got: dict[str, list[dict[str, Any]]] = {"qps": [], "raw": [], "numpy": []}
+        got: dict[str, list[dict[str, Any]]] = {k: [] for k in (*impls, "raw", "numpy")}
         for rep in range(args.reps):
             got["numpy"].append(run_numpy())
             got["raw"].append(measured(run_raw, args.workload, server.url))
-            got["qps"].append(measured(run_qps, server.url, rep))
+            for k in impls:
+                got[k].append(measured(run_qps, server.url, rep, k == "qps packed"))
             print(f"rep {rep}: " + ", ".join(
                 f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
                 f"(acc {v[-1]['accuracy']:.3f})" for k, v in got.items()
@@ -328,9 +338,8 @@ def main() -> None:
     rates = {k: [STEPS * WORKERS * BATCH / r["seconds"] for r in v] for k, v in got.items()}
     rate = {k: statistics.median(v) for k, v in rates.items()}
     # each repetition's qps against the raw run next to it (repetition-major order)
-    ratios = [q / r for q, r in zip(rates["qps"], rates["raw"])]
+    ratios = {k: [q / r for q, r in zip(rates[k], rates["raw"])] for k in impls}
     acc = {k: statistics.median(r["accuracy"] for r in v) for k, v in got.items()}
-    stale = got["qps"][-1]
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
@@ -339,7 +348,7 @@ def main() -> None:
     print(f"| {args.workload.upper()} | examples/s, median [min-max] | test accuracy | "
           "loopback bytes per worker step |")  # fmt: skip
     print("|---|---|---|---|")
-    for k in ("qps", "raw", "numpy"):
+    for k in got:
         lo = [r["lo_bytes"] for r in got[k] if r.get("lo_bytes") is not None]
         per = f"{statistics.median(lo) / steps / 1e6:.1f} MB" if lo else "—"
         spread = f"{rate[k]:,.0f} [{min(rates[k]):,.0f}-{max(rates[k]):,.0f}]"
@@ -349,10 +358,13 @@ def main() -> None:
         f"{4 * p_bytes / 1e6:.1f} MB for both (pull, push, the PS's read and write)"
     )
     goal = {"w4": 1.2, "w5": 2.0, "w6": 1.0}[args.workload]
-    each = ", ".join(f"{x:.2f}" for x in ratios)
-    print(f"\nqps / raw = {rate['qps'] / rate['raw']:.2f} (goal >= {goal}; per repetition "
-          f"{each}); qps staleness p50 {stale['staleness_p50']} / p99 "
-          f"{stale['staleness_p99']}")  # fmt: skip
+    print()
+    for k in impls:
+        each = ", ".join(f"{x:.2f}" for x in ratios[k])
+        stale = got[k][-1]
+        print(f"{k} / raw = {rate[k] / rate['raw']:.2f} (goal >= {goal}; per repetition "
+              f"{each}); staleness p50 {stale['staleness_p50']} / p99 "
+              f"{stale['staleness_p99']}")  # fmt: skip
     if args.json:
         print(json.dumps({"rate": rate, "rates": rates, "ratios": ratios, "accuracy": acc}))
 

@@ -30,6 +30,7 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.ps import control
+from qps.ps.gradlist import GradientList
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
 from qps.transport import Client
@@ -95,6 +96,8 @@ class PSClient:
         self._capacity = control.GRADIENT_QUEUE_CAPACITY
         self._max_bytes = control.DEFAULT_MAX_MESSAGE_BYTES
         self._queues: dict[int, FIFOQueue] = {}
+        self._sync = False  # the job trains synchronously (pushes go to GradientLists)
+        self._lists: dict[int, GradientList] = {}
 
     # -- variables -------------------------------------------------------------------------
     async def variable(self, v: Any) -> Variable:
@@ -183,6 +186,7 @@ class PSClient:
             self._num_shards = cfg.num_shards
             self._capacity = cfg.queue_capacity
             self._max_bytes = cfg.max_message_bytes
+            self._sync = cfg.sync is not None
         return self._num_shards
 
     async def shards_of(self, names: Iterable[str]) -> dict[str, int]:
@@ -356,7 +360,13 @@ class PSClient:
         lease (a network partition) finds its attempt taken for dead and undone: nothing
         was enqueued, so the same message is sent again (up to :data:`PUSH_TRIES` times
         in all). ``then``: read commands run right after it (their replies go to
-        ``then_out``); ``blocking`` ones only with the first try."""
+        ``then_out``); ``blocking`` ones only with the first try.
+
+        Synchronous training on a single server pushes onto the shard's
+        :class:`~qps.ps.gradlist.GradientList` instead: one ``RPUSH`` in the round trip
+        of ``then`` (the token's wait and the next pull)."""
+        if self._sync and not self.client.cluster:
+            return await self._send_list(shard, payload, then, then_out, blocking)
         for attempt in range(1, PUSH_TRIES + 1):
             try:
                 element = np.frombuffer(payload, np.uint8)
@@ -372,6 +382,35 @@ class PSClient:
                 log.warning("push to shard %d: %s; sending the message again", shard, exc)
                 if blocking:  # what they took in that try is gone: the caller waits itself
                     then = ()
+
+    async def _send_list(
+        self,
+        shard: int,
+        payload: bytes,
+        then: Sequence[Sequence[Any]],
+        then_out: list[Any] | None,
+        blocking: bool,
+    ) -> None:
+        """:meth:`_send` onto ``shard``'s gradient list, with the job's finished mark
+        read in the same round trip (a push after the end raises CancelledError, as a
+        push onto the closed queue does; the message is left in the list)."""
+        gl = self._lists.get(shard)
+        if gl is None:
+            gl = self._lists[shard] = GradientList(self.client, self.container, shard)
+        lead = [("EXISTS", keys.ps_finished(self.container)), gl.push_command(payload)]
+        replies = None
+        if blocking and then:  # on a connection of its own: the token's wait blocks
+            replies = await self.client.write_commands([*lead, *then])
+        ran = replies is not None or not blocking
+        if replies is None:  # no blocking commands, or no lean connection (fakeredis)
+            replies = await self.client.run_commands_replies([*lead, *(() if blocking else then)])
+        for r in replies[:2]:
+            if isinstance(r, BaseException):
+                raise r
+        if then and ran and then_out is not None:  # (another shard's send may fill it)
+            then_out[:] = replies[2:]
+        if int(replies[0]):
+            raise CancelledError(f"the PS job of container '{self.container}' is finished")
 
     async def global_step(self) -> int:
         """TF's ``global_step``: worker steps applied so far (advanced by shard 0 once

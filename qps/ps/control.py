@@ -27,6 +27,7 @@ from qps.errors import (
 )
 from qps.optimizers import Optimizer
 from qps.optimizers import from_spec as optimizer_from_spec
+from qps.ps.gradlist import WAKE, gradient_list_key
 from qps.queues import FIFOQueue
 from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
@@ -330,6 +331,11 @@ async def mark_finished(client: Client, container: str) -> int:
         if not await q.is_closed():
             await q.close()
             closed += 1
+    if cfg.sync is not None and not client.cluster:  # wake shards blocked on their lists
+        with map_errors():
+            await client.run_commands(
+                [("RPUSH", gradient_list_key(container, s), WAKE) for s in range(cfg.num_shards)]
+            )
     return closed
 
 
@@ -475,6 +481,9 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         qsize: int | None = (
             await queue_stats(client, keys.ps_gradient_queue(shard), container)
         ).size
+        if qsize is not None and not client.cluster:  # and those in its gradient list
+            with map_errors():
+                qsize += int(await client.commands.llen(gradient_list_key(container, shard)))
     except Exception:
         qsize = None
     qbytes: int | None = None

@@ -79,6 +79,7 @@ from qps.errors import (
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
+from qps.ps.gradlist import GradientList, is_list_delivery
 from qps.ps.messages import (
     GradientMessage,
     SparseGradient,
@@ -299,7 +300,8 @@ class _Inbox:
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self.items: deque[_Item] = deque()
         self.nbytes = 0
-        self.done = False  # the queue is closed and drained
+        self.done = False  # the queue is closed and drained (and the list, if read)
+        self.sources = 1  # readers that have not finished
         #: the loop is ending: the reader stops taking (a take under way when it was
         #: cancelled may still complete: its messages are put here, then given back)
         self.closing = False
@@ -334,7 +336,11 @@ class _Inbox:
         return item
 
     def finish(self) -> None:
-        self.done = True
+        """One reader is done (its source is closed and drained); the inbox is done
+        once every reader is."""
+        self.sources -= 1
+        if self.sources <= 0:
+            self.done = True
         self._changed()
 
     def fail(self, exc: BaseException) -> None:
@@ -519,6 +525,9 @@ class Shard:
         self._stop = asyncio.Event()
         self._lost: str | None = None
         self._queue: QueueBase | None = None
+        #: synchronous training on a single server: the lean channel workers push to
+        #: (qps.ps.gradlist), read alongside the queue
+        self._list: GradientList | None = None
         self._lease_script = client.commands.register_script(_LEASE)
         self._step_script = client.commands.register_script(_COUNT_STEPS)
         self._tokens_script = client.commands.register_script(_TOKENS_IF_COMMITTED)
@@ -598,6 +607,8 @@ class Shard:
         self._queue = control.gradient_queue(
             self.client, self.container, self.shard, cfg.queue_capacity
         )
+        if self.sync is not None and not self.client.cluster:
+            self._list = GradientList(self.client, self.container, self.shard)
         if await self._finished_and_drained():
             self.log.info("the job is finished and my queue is drained: nothing to do")
             return "finished"
@@ -623,6 +634,14 @@ class Shard:
                     "put back %d delivery(ies) a previous owner took and never acknowledged",
                     reclaimed,
                 )
+            if self._list is not None:
+                moved = await self._list.open(self.token, self._prefix + "lease")
+                if moved:
+                    self.log.info(
+                        "put back %d message(s) a previous owner took from the gradient "
+                        "list and never committed",
+                        moved,
+                    )
             await self._own_placed()
             if self.sync is not None:
                 self.sync_step = max((o.t for o in self.owned.values()), default=0)
@@ -653,7 +672,10 @@ class Shard:
         assert self._queue is not None
         q = self._queue
         # held: deliveries a dead predecessor took and never acked count as not drained
-        return await q.is_closed() and await q.size() == 0 and await q.held() == 0
+        drained = await q.is_closed() and await q.size() == 0 and await q.held() == 0
+        if drained and self._list is not None:
+            drained = await self._list.size() == 0 and await self._list.held() == 0
+        return drained
 
     # -- the lease ---------------------------------------------------------------------------
     def _lease_keys(self) -> list[str]:
@@ -736,6 +758,15 @@ class Shard:
                 {"heartbeat_ms": int(time.time() * 1000), "held_bytes": self._held_bytes()}, {}
             )
             await self._sample()
+            if self._list is not None and self._list.proc is not None:
+                # a dead owner's take that landed after this owner put its list back
+                try:
+                    moved = await self._list.reclaim()
+                except QpsError as exc:
+                    self.log.warning("could not look at earlier owners' lists: %s", exc)
+                else:
+                    if moved:
+                        self.log.warning("put back %d message(s) an earlier owner took", moved)
 
     async def _release(self, reason: str) -> None:
         try:
@@ -819,6 +850,10 @@ class Shard:
         await self._sample()
         fetcher = asyncio.ensure_future(self._fetch(q, inbox))
         toucher = asyncio.ensure_future(self._touch_loop(q))
+        lister: asyncio.Future[None] | None = None
+        if self._list is not None:
+            inbox.sources += 1
+            lister = asyncio.ensure_future(self._fetch_list(self._list, inbox))
 
         def ready() -> bool:
             return bool(inbox.items) or inbox.done or inbox.error is not None or self._stop.is_set()
@@ -843,9 +878,19 @@ class Shard:
                     if not self._held and await q.held():  # not ours: a dead owner's
                         n = await q.reclaim()
                         self.log.info("put back %d delivery(ies) of a previous owner", n)
-                    if await q.size():  # given back after the reader found it drained
+                    gl = self._list
+                    if gl is not None and await gl.held():  # a dead owner's
+                        n = await gl.reclaim()
+                        self.log.info("put back %d message(s) of a previous owner", n)
+                    again_q = bool(await q.size())  # given back after its reader was done
+                    again_l = gl is not None and bool(await gl.size())
+                    if again_q or again_l:
                         inbox.done = False
-                        fetcher = asyncio.ensure_future(self._fetch(q, inbox))
+                        inbox.sources = int(again_q) + int(again_l)
+                        if again_q:
+                            fetcher = asyncio.ensure_future(self._fetch(q, inbox))
+                        if again_l and gl is not None:
+                            lister = asyncio.ensure_future(self._fetch_list(gl, inbox))
                         continue
                     self.log.info("the job is finished and my queue is drained: exiting")
                     return "finished"
@@ -853,9 +898,10 @@ class Shard:
         finally:
             inbox.closing = True
             inbox.wake()
-            fetcher.cancel()
-            toucher.cancel()
-            await asyncio.gather(fetcher, toucher, return_exceptions=True)
+            readers = [fetcher, toucher, *([lister] if lister is not None else [])]
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
             if self._settling is not None:  # unacked, its messages come again: applied
                 await _quietly(self._settled())
             await _quietly(self._release_now())
@@ -867,6 +913,8 @@ class Shard:
             self._acc = _Accum()
             if left:
                 await self._settle(q, left, ack=False)
+            if self._list is not None:  # all it holds, a take cut short included
+                await _quietly(self._list.close())
             self._inbox = None
 
     async def _fetch(self, q: QueueBase, inbox: _Inbox) -> None:
@@ -931,14 +979,43 @@ class Shard:
             )
         return item
 
+    async def _fetch_list(self, gl: GradientList, inbox: _Inbox) -> None:
+        """The reader of the gradient list (synchronous training): take each message into
+        the processing list, decode it and put it in the inbox; done once the job is
+        finished and the list is empty."""
+        try:
+            while True:
+                await inbox.until(
+                    lambda: not inbox.full() or self._stop.is_set() or inbox.closing
+                )
+                if self._stop.is_set() or inbox.closing:
+                    return
+                d = await gl.take(BLOCK_SECONDS)
+                if d is None:  # a wake-up, or a while without messages
+                    finished = await control.is_finished(self.client, self.container)
+                    if finished and not await gl.size():
+                        inbox.finish()
+                        return
+                    continue
+                self._held.append(d)
+                item = self._item(d, d.value, False)
+                self._sizes[d.tokens] = item.nbytes
+                inbox.put(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the loop, which raises it
+            inbox.fail(exc)
+
     async def _touch_loop(self, q: QueueBase) -> None:
-        """Renew the leases of every delivery held (taken ahead or in the group)."""
+        """Renew the leases of every delivery of the queue held (taken ahead or in the
+        group; those of the gradient list have no lease: the shard's own covers them)."""
         while True:
             await asyncio.sleep(DELIVERY_LEASE_MS / 3000.0)
-            if not self._held:
+            held = [d for d in self._held if not is_list_delivery(d)]
+            if not held:
                 continue
             try:
-                await q.touch(_joined(self._held))
+                await q.touch(_joined(held))
             except AbortedError as exc:  # its message comes again; the ids stay recorded
                 self.log.warning("%s", exc)
             except QpsError as exc:
@@ -956,16 +1033,26 @@ class Shard:
         self._held = [d for d in self._held if id(d) not in gone]  # by identity
         for d in ds:
             self._sizes.pop(d.tokens, None)
+        listed = [d for d in ds if is_list_delivery(d)]
+        if listed:  # the gradient list's: given back all at once when the loop ends
+            ds = [d for d in ds if not is_list_delivery(d)]
         if not ack:
-            await _quietly(asyncio.shield(q.nack(_joined(ds))))
+            if ds:
+                await _quietly(asyncio.shield(q.nack(_joined(ds))))
             return True
-        joined = _joined(ds)
         after: list[tuple[Any, ...]] = []
         if not self.client.cluster:
             if count is not None:
                 self._release_later += self._stats_commands(count)
-            if joined.tokens:  # what waits for an ack goes with this one
+            if listed or any(d.tokens for d in ds):  # what waits for an ack goes with it
                 after, self._release_later = self._release_later, []
+        if listed:
+            assert self._list is not None
+            await self._list.ack(listed, after=after)
+            after = []
+        if not ds:
+            return True
+        joined = _joined(ds)
         try:
             await q.ack(joined, after=after)
         except AbortedError as exc:

@@ -1,0 +1,245 @@
+"""The lean gradient channel of synchronous training on a single server.
+
+In synchronous training a worker pushes one gradient per update and then blocks on its
+token: the token gates it, so its gradients need no queue capacity, no waiting pushes
+and no attempt records. What is left of the gradient queue's work is a reliable hand-off
+to the shard, and a plain Redis list gives that with one command each way (DESIGN.md
+§4.7, "processing list"):
+
+* a worker ``RPUSH``es its encoded message onto the shard's list ``<S>glist``, in the
+  round trip that then blocks on its token and reads the next parameters;
+* the shard takes each message with ``BLMOVE`` into a processing list of its own,
+  ``<S>glist:proc:<token>`` (its lease's fencing token), where the message stays until
+  the update that applies it is committed: the shard then pops it
+  (``LPOP``; one taken out of order, e.g. a stale gradient dropped while earlier ones
+  wait for their update, is overwritten with a one-byte tombstone in place);
+* a shard that stops gives back what its processing list holds, in order, to the front
+  of the list; a shard that takes the lease over from a dead one does the same with
+  every other processing list (the set ``<S>glist:procs`` names them), at the start
+  and with every renewal of its lease: a ``BLMOVE`` a dead owner left blocked in Redis
+  may still move a message into its list after that. A name leaves the set only when
+  its owner stops cleanly. What comes again and was committed is found in the
+  variables' applied ids and skipped, as with the queue;
+* the pops and tombstones run in a script that checks the shard's lease still holds
+  its token: an owner that lost the lease cannot pop what a successor depends on.
+
+``mark_finished`` pushes an empty element (never a message) to wake a shard blocked on
+the list. Everything else (async training, Redis Cluster, a client without lean
+connections) goes through the gradient queue (:func:`qps.ps.control.gradient_queue`),
+which a shard in synchronous mode reads as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from qps import keys
+from qps.queues.base import Delivery
+from qps.transport import Client, is_noscript, map_errors
+
+__all__ = ["WAKE", "GradientList", "gradient_list_key"]
+
+#: the element ``mark_finished`` pushes to wake a blocked shard (a message never is empty)
+WAKE = b""
+#: what an element acknowledged out of order is overwritten with inside a processing list
+TOMBSTONE = b"\x00"
+#: a delivery of the list carries one token: this prefix and its sequence number
+_TAG = "glist:"
+
+# KEYS: the processing list, the shard's lease. ARGV: token, tombstone, how many to pop
+# from the front, then the indices to overwrite with the tombstone (before the pop).
+# Refused (0) unless the lease holds the token.
+_ACK = """
+local v = redis.call('GET', KEYS[2])
+if not v or string.match(v, '^(%d+) ') ~= ARGV[1] then return 0 end
+for i = 4, #ARGV do redis.call('LSET', KEYS[1], ARGV[i], ARGV[2]) end
+if tonumber(ARGV[3]) > 0 then redis.call('LPOP', KEYS[1], ARGV[3]) end
+return 1
+"""
+
+# KEYS: a processing list, the list. Moves the processing list's elements (tombstones
+# dropped) to the front of the list, in order, and deletes it. Returns how many.
+_GIVE_BACK = """
+local vs = redis.call('LRANGE', KEYS[1], 0, -1)
+local n = 0
+for i = #vs, 1, -1 do
+  if vs[i] ~= ARGV[1] then
+    redis.call('LPUSH', KEYS[2], vs[i])
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[1])
+return n
+"""
+
+
+def gradient_list_key(container: str, shard: int) -> str:
+    """The list of shard ``shard``'s pushed gradient messages."""
+    return keys.ps_prefix(container, shard) + "glist"
+
+
+def is_list_delivery(d: Delivery) -> bool:
+    """Whether ``d`` came from a :class:`GradientList` (else from the gradient queue)."""
+    return len(d.tokens) == 1 and d.tokens[0].startswith(_TAG)
+
+
+class GradientList:
+    """Shard ``shard``'s lean gradient channel (see the module docstring): the worker's
+    :meth:`push_command`, and the shard's :meth:`open`, :meth:`take`, :meth:`ack` and
+    :meth:`give_back`."""
+
+    def __init__(self, client: Client, container: str, shard: int) -> None:
+        self.client = client
+        self.key = gradient_list_key(container, shard)
+        self.procs = self.key + ":procs"
+        self.proc: str | None = None  # this owner's processing list, once opened
+        self._give_back_script = client.commands.register_script(_GIVE_BACK)
+        self._ack_script = client.commands.register_script(_ACK)
+        self._lease = ""  # the shard's lease key, and its token, once opened
+        self._token = 0
+        self._taken = 0  # elements moved into the processing list by this owner
+        self._popped = 0  # of them, popped from its front
+        self._acked: set[int] = set()  # acknowledged out of order: tombstones in place
+
+    # -- the worker's side ---------------------------------------------------------------
+    def push_command(self, payload: Any) -> tuple[Any, ...]:
+        """The command that pushes one encoded message (bytes or a buffer)."""
+        return ("RPUSH", self.key, payload)
+
+    # -- the shard's side ----------------------------------------------------------------
+    async def open(self, token: int, lease_key: str) -> int:
+        """Consume as the holder of lease ``token`` (the shard's lease, ``lease_key``,
+        holds ``"<token> <owner>"``): register the processing list, and put back what
+        the other processing lists hold. Returns how many messages were put back."""
+        self.proc = f"{self.key}:proc:{int(token)}"
+        self._lease, self._token = lease_key, int(token)
+        self._taken = self._popped = 0
+        self._acked.clear()
+        with map_errors():
+            await self.client.commands.sadd(self.procs, self.proc)
+        return await self.reclaim()
+
+    async def reclaim(self) -> int:
+        """Put back, at the front of the list and in order, what the processing lists of
+        other (earlier) owners hold; the oldest owner's messages come first. Their
+        names stay registered (a dead owner's blocked take may still fill its list)."""
+        with map_errors():
+            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
+        others = sorted((n for n in names if n != self.proc), key=_token_of, reverse=True)
+        moved = 0
+        for name in others:  # the newest first: each goes in front of the one before
+            with map_errors():
+                moved += int(await self._give_back_script(keys=[name, self.key], args=[TOMBSTONE]))
+        return moved
+
+    async def held(self) -> int:
+        """Messages in the processing lists of other owners (taken, never acknowledged)."""
+        with map_errors():
+            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
+            others = [n for n in names if n != self.proc]
+            if not others:
+                return 0
+            pipe = self.client.commands.pipeline(transaction=False)
+            for n in others:
+                pipe.llen(n)
+            return sum(int(x) for x in await pipe.execute())
+
+    async def size(self) -> int:
+        """Messages waiting in the list."""
+        with map_errors():
+            return int(await self.client.commands.llen(self.key))
+
+    async def take(self, timeout: float) -> Delivery | None:
+        """Block up to ``timeout`` seconds for the next message and move it into the
+        processing list; None if none came (or :data:`WAKE` did). A failure leaves the
+        processing list unknown at its end: the caller stops and :meth:`give_back`."""
+        assert self.proc is not None, "open() first"
+        command = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", timeout)
+        replies = await self.client.write_commands([command])
+        if replies is None:  # no lean connection (fakeredis)
+            with map_errors():
+                got = await self.client.commands.blmove(
+                    self.key, self.proc, timeout, "LEFT", "RIGHT"  # type: ignore[arg-type]
+                )
+        else:
+            got = replies[0]
+            if isinstance(got, BaseException):
+                raise got
+        if got is None:
+            return None
+        seq = self._taken
+        self._taken += 1
+        data = got.encode() if isinstance(got, str) else got
+        d = Delivery(np.frombuffer(data, np.uint8), (f"{_TAG}{seq}",), True)
+        if not len(data):  # a wake-up: done with it
+            await self.ack([d])
+            return None
+        return d
+
+    async def ack(self, ds: Sequence[Delivery], after: Sequence[Sequence[Any]] = ()) -> None:
+        """Done with deliveries ``ds`` (of :meth:`take`): the processing list's front
+        is popped as far as every message of it is done; one done behind a message
+        still held is overwritten with a tombstone (nothing, once the lease is lost:
+        the next owner gives them back). ``after``: plain commands sent in the same
+        round trip (their failures are not raised)."""
+        assert self.proc is not None
+        late = []
+        for d in ds:
+            seq = int(d.tokens[0][len(_TAG) :])
+            if seq >= self._popped and seq not in self._acked:
+                self._acked.add(seq)
+                late.append(seq)
+        front = 0
+        while self._popped + front in self._acked:
+            front += 1
+        marks = [seq - self._popped for seq in late if seq >= self._popped + front]
+        commands: list[tuple[Any, ...]] = []
+        if front or marks:
+            sha = self._ack_script.sha
+            args = [self._token, TOMBSTONE, front, *marks]
+            commands.append(("EVALSHA", sha, 2, self.proc, self._lease, *args))
+        if not commands and not after:
+            return
+        # the state moves before the round trip: a concurrent ack then counts from it,
+        # and its commands follow these on the connection
+        for seq in range(self._popped, self._popped + front):
+            self._acked.discard(seq)
+        self._popped += front
+        replies = await self.client.run_commands_replies([*commands, *after])
+        if commands and isinstance(replies[0], BaseException) and is_noscript(replies[0]):
+            with map_errors():
+                await self._ack_script(keys=[self.proc, self._lease], args=args)
+        elif commands and isinstance(replies[0], BaseException):
+            raise replies[0]
+
+    async def give_back(self) -> int:
+        """Put everything the processing list holds back at the front of the list, in
+        order (the shard stops: what it held was not committed). Returns how many."""
+        if self.proc is None:
+            return 0
+        with map_errors():
+            n = int(await self._give_back_script(keys=[self.proc, self.key], args=[TOMBSTONE]))
+        self._popped = self._taken
+        self._acked.clear()
+        return n
+
+    async def close(self) -> None:
+        """Stop consuming: :meth:`give_back`, then forget the processing list."""
+        if self.proc is None:
+            return
+        await self.give_back()
+        with map_errors():
+            await self.client.commands.srem(self.procs, self.proc)
+        self.proc = None
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+def _token_of(name: str) -> int:
+    tail = name.rpartition(":")[2]
+    return int(tail) if tail.isdigit() else 0

@@ -1,0 +1,216 @@
+"""qps.ps.gradlist: the lean gradient channel of synchronous training (a list, a
+processing list per owner, tombstones, give-back and reclaim), and a synchronous job
+through it: exactly once across a shard that dies holding messages; both backends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from qps.errors import CancelledError, UnavailableError
+from qps.optimizers import SGD
+from qps.ps import control
+from qps.ps.gradlist import TOMBSTONE, WAKE, GradientList, is_list_delivery
+from qps.ps.messages import decode_message
+from tests.test_ps_shard import C, Job, job  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.no_cluster(reason="the gradient list serves a single server")
+
+
+async def _push(client, gl: GradientList, *values: bytes) -> None:
+    await client.run_commands([gl.push_command(v) for v in values])
+
+
+async def _items(client, key: str) -> list[bytes]:
+    return list(await client.commands.lrange(key, 0, -1))
+
+
+LEASE = "gl-test-lease"
+
+
+async def _owner(client, token: int, shard: int = 0) -> GradientList:
+    """A list consumer holding lease ``token`` (as a shard does)."""
+    await client.commands.set(LEASE, f"{token} test-owner")
+    gl = GradientList(client, C, shard)
+    await gl.open(token, LEASE)
+    return gl
+
+
+async def test_take_ack_in_and_out_of_order(make_client) -> None:
+    client = await make_client()
+    gl = GradientList(client, C, 0)
+    await _push(client, gl, b"m0", b"m1", b"m2")
+    await client.commands.set(LEASE, "7 test-owner")
+    assert await gl.open(7, LEASE) == 0
+    assert gl.proc is not None and gl.proc.endswith(":proc:7")
+    ds = [await gl.take(1) for _ in range(3)]
+    assert all(d is not None and is_list_delivery(d) for d in ds)
+    assert [bytes(d.value) for d in ds] == [b"m0", b"m1", b"m2"]  # type: ignore[union-attr]
+    assert await gl.size() == 0 and await _items(client, gl.proc) == [b"m0", b"m1", b"m2"]
+    d0, d1, d2 = ds
+    await gl.ack([d2])  # behind two held ones: a tombstone in place, bytes freed
+    assert await _items(client, gl.proc) == [b"m0", b"m1", TOMBSTONE]
+    await gl.ack([d0])
+    assert await _items(client, gl.proc) == [b"m1", TOMBSTONE]
+    await gl.ack([d1], after=[("SET", "gl-after", "1")])  # pops through the tombstone
+    assert await _items(client, gl.proc) == []
+    assert await client.commands.get("gl-after") == b"1"  # in the same round trip
+    await gl.ack([d1])  # again: nothing
+    # a later take lands at the index the shard expects
+    await _push(client, gl, b"m3", b"m4")
+    d3, d4 = await gl.take(1), await gl.take(1)
+    assert d3 is not None and d4 is not None
+    await gl.ack([d4])
+    proc = gl.proc
+    assert await _items(client, proc) == [b"m3", TOMBSTONE]
+    await gl.close()  # gives m3 back, forgets the processing list
+    assert gl.proc is None and not await client.commands.exists(proc)
+    assert await _items(client, gl.key) == [b"m3"]
+    assert not await client.commands.exists(gl.procs)
+
+
+async def test_a_take_times_out_and_a_wake_up_is_no_message(make_client) -> None:
+    client = await make_client()
+    gl = await _owner(client, 1, shard=1)
+    assert await gl.take(0.05) is None
+    await _push(client, gl, WAKE, b"m")
+    assert await gl.take(1) is None  # the wake-up, acknowledged at once
+    d = await gl.take(1)
+    assert d is not None and bytes(d.value) == b"m"
+    assert await _items(client, gl.proc) == [b"m"]  # type: ignore[arg-type]
+
+
+async def test_give_back_puts_what_is_held_at_the_front_in_order(make_client) -> None:
+    client = await make_client()
+    gl = await _owner(client, 3)
+    await _push(client, gl, b"a", b"b", b"c", b"d")
+    a, b, _ = await gl.take(1), await gl.take(1), await gl.take(1)
+    assert a is not None and b is not None
+    await gl.ack([b])  # done: not given back
+    assert await gl.give_back() == 2
+    assert await _items(client, gl.key) == [b"a", b"c", b"d"]
+    assert not await client.commands.exists(gl.proc)
+
+
+async def test_a_new_owner_puts_back_what_earlier_owners_hold_and_they_cannot_pop(
+    make_client,
+) -> None:
+    client = await make_client()
+    first = await _owner(client, 1)
+    await _push(client, first, b"1", b"2", b"3", b"4", b"5")
+    assert [bytes(d.value) for d in [await first.take(1), await first.take(1)]] == [b"1", b"2"]  # type: ignore[union-attr]
+    assert await GradientList(client, C, 0).held() == 2
+    second = await _owner(client, 2)  # the first "died": its messages go back
+    assert await _items(client, second.key) == [b"1", b"2", b"3", b"4", b"5"]
+    assert await second.held() == 0
+    got = await second.take(1)
+    assert got is not None and bytes(got.value) == b"1"
+    # the first is a zombie: a take of its own still lands in its list, and its pop is
+    # refused (the lease holds token 2)
+    late = await first.take(1)
+    assert late is not None and bytes(late.value) == b"2"
+    await first.ack([late])
+    assert await _items(client, first.proc) == [b"2"]  # type: ignore[arg-type]
+    assert await second.held() == 1
+    assert await second.reclaim() == 1  # what the lease's renewals do
+    assert await _items(client, second.key) == [b"2", b"3", b"4", b"5"]
+    await first.take(1)  # and once more, then a third owner comes
+    third = await _owner(client, 3)
+    # both earlier lists go back, the oldest owner's messages first
+    assert await _items(client, third.key) == [b"2", b"1", b"3", b"4", b"5"]
+    assert {n.decode() for n in await client.commands.smembers(third.procs)} == {
+        first.proc, second.proc, third.proc
+    }
+    await third.close()  # a clean stop forgets its own name only
+    assert len(await client.commands.smembers(third.procs)) == 2
+
+
+async def test_sync_pushes_go_through_the_list(job: Job) -> None:  # noqa: F811
+    a, b = await job.session("w0"), await job.session("w1")
+    await control.configure(a.client, C, 1, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    gl = GradientList(a.client, C, 0)
+    await a.push({"w": np.array([1, 2], np.float32)}, step=0)  # before any shard runs
+    assert await gl.size() == 1
+    assert decode_message(await a.client.commands.lindex(gl.key, 0)).worker == "w0"
+    assert await control.gradient_queue(a.client, C, 0).size() == 0
+    assert (await control.shard_status(a.client, C, 0)).queue_size == 1
+    await b.push({"w": np.array([3, 4], np.float32)}, step=0)
+    shard, task = await job.shard(0, 1)
+    tok = control.tokens(a.client, C, 0)
+    assert (await tok.take_then([], 10))[0] == 1
+    assert (await a.pull("w")).value.tolist() == [-2.0, -3.0]
+    await control.mark_finished(a.client, C)  # wakes the shard blocked on its list
+    assert await asyncio.wait_for(task, 10) == "finished"
+    assert shard.applied == 2 and await gl.size() == 0
+    assert not await a.client.commands.exists(gl.procs)  # a clean stop forgets its list
+    with pytest.raises(CancelledError, match="finished"):
+        await a.push({"w": np.array([1, 1], np.float32)}, step=1)
+
+
+async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard that stops after committing an update but before popping its message
+    gives the message back; a shard that dies holding messages leaves them in its
+    processing list. The next owner puts both back, finds the committed one in the
+    applied ids (skipped) and applies the other once."""
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), sync=(1, 1))
+    await sess.variable("w", (2,), np.float32, initializer="zeros").create()
+    real_ack = GradientList.ack
+
+    async def no_ack(self: GradientList, ds: object, after: object = ()) -> None:
+        # as if the process died between the commit and the pop: the ids stay recorded
+        raise UnavailableError("the pop was lost (test)")
+
+    monkeypatch.setattr(GradientList, "ack", no_ack)
+    shard, task = await job.shard(0, 1)
+    tok = control.tokens(sess.client, C, 0)
+    await sess.push({"w": np.array([1, 1], np.float32)}, step=0)
+    assert (await tok.take_then([], 10))[0] == 1
+    shard.request_stop()
+    assert await asyncio.wait_for(task, 10) == "stopped"
+    monkeypatch.setattr(GradientList, "ack", real_ack)
+    gl = GradientList(sess.client, C, 0)
+    assert await gl.size() == 1  # given back: committed, never popped
+    await sess.push({"w": np.array([2, 2], np.float32)}, step=1)
+    dead = GradientList(await job.make_client(), C, 0)
+    await dead.open(1 << 40, "no-lease")  # then takes both and is "killed"
+    assert await dead.take(1) is not None and await dead.take(1) is not None
+    assert await gl.size() == 0 and await gl.held() == 2
+    shard, task = await job.shard(0, 1)
+    assert (await tok.take_then([], 10))[0] == 2
+    assert (await sess.pull("w")).value.tolist() == [-3.0, -3.0]  # 1 + 2, each once
+    assert await sess.global_step() == 2
+    await control.mark_finished(sess.client, C)
+    assert await asyncio.wait_for(task, 10) == "finished"
+    assert shard.skipped == 1 and shard.applied == 1
+    assert await gl.size() == 0 and await gl.held() == 0
+
+
+async def test_a_sync_push_to_two_shards_brings_the_token_back(job: Job) -> None:  # noqa: F811
+    """push_then to two shards: the token's wait rides with shard 0's message, and the
+    other shard's push (no commands of its own) leaves its replies alone (it once
+    emptied them: the worker then waited for a token it had already taken)."""
+    a, b = await job.session("w0"), await job.session("w1")
+    await control.configure(a.client, C, 2, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    await a.variable("v", (2,), np.float32, initializer="zeros").create()
+    await control.place_variables(a.client, C, ["w", "v"], "round_robin")
+    assert await control.read_placement(a.client, C) == {"w": 0, "v": 1}
+    await job.shard(0, 2)
+    await job.shard(1, 2)
+    one = {"w": np.ones(2, np.float32), "v": np.ones(2, np.float32)}
+    await b.push(one, step=0)
+    tok = control.tokens(a.client, C, 0)
+    ids, replies = await a.ps.push_then(one, [tok.wait_command(10)], step=0, blocking=True)
+    assert sorted(ids) == [0, 1]
+    if replies:  # a real server: the wait ran in the push's round trip
+        assert control.Tokens.taken(replies) == 1
+    else:  # fakeredis (no lean connection): it did not run, and the token waits
+        assert (await tok.take_then([], 10))[0] == 1
+    assert (await a.pull("v")).value.tolist() == [-1.0, -1.0]
