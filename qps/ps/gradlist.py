@@ -197,9 +197,9 @@ class GradientList:
             front += 1
         marks = [seq - self._popped for seq in late if seq >= self._popped + front]
         commands: list[tuple[Any, ...]] = []
+        args: list[bytes | int] = [self._token, TOMBSTONE, front, *marks]
         if front or marks:
             sha = self._ack_script.sha
-            args = [self._token, TOMBSTONE, front, *marks]
             commands.append(("EVALSHA", sha, 2, self.proc, self._lease, *args))
         if not commands and not after:
             return
