@@ -137,6 +137,10 @@ async def test_sync_pushes_go_through_the_list(job: Job) -> None:  # noqa: F811
     assert decode_message(await a.client.commands.lindex(gl.key, 0)).worker == "w0"
     assert await control.gradient_queue(a.client, C, 0).size() == 0
     assert (await control.shard_status(a.client, C, 0)).queue_size == 1
+    from workers import monitor
+
+    snap = await monitor.snapshot(a.client, C)  # `qps top` counts it as waiting
+    assert [row.lag for row in snap.shards] == [1]
     await b.push({"w": np.array([3, 4], np.float32)}, step=0)
     shard, task = await job.shard(0, 1)
     tok = control.tokens(a.client, C, 0)

@@ -254,7 +254,8 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
                 variables=st.variables,
                 dead_letters=st.dead_letters,
                 queue=q,
-                lag=None if q is None else q.size + q.pending_enqueues,
+                # queue_size counts the gradient list too (synchronous training)
+                lag=None if q is None else max(q.size, st.queue_size or 0) + q.pending_enqueues,
                 messages=sum(total.values()),
                 staleness_p50=control.staleness_percentile(total, 0.5),
                 staleness_p99=control.staleness_percentile(total, 0.99),
