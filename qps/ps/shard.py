@@ -928,10 +928,7 @@ class Shard:
         more, each = False, 0
         try:
             while True:
-                await inbox.until(
-                    lambda: not inbox.full() or self._stop.is_set() or inbox.closing
-                )
-                if self._stop.is_set() or inbox.closing:
+                if not await self._until_room(inbox):
                     return
                 room = inbox.room(each) if more else 1
                 self._incoming = more
@@ -963,6 +960,12 @@ class Shard:
         except BaseException as exc:  # handed to the loop, which raises it
             inbox.fail(exc)
 
+    async def _until_room(self, inbox: _Inbox) -> bool:
+        """Wait until the inbox has room for a reader's next take; False once the loop
+        stops (the reader returns)."""
+        await inbox.until(lambda: not inbox.full() or self._stop.is_set() or inbox.closing)
+        return not (self._stop.is_set() or inbox.closing)
+
     def _item(self, d: Delivery, value: Any, shared: bool) -> _Item:
         """One message of delivery ``d``, decoded (or with the error that it does not)."""
         item = _Item(d, nbytes=_nbytes(value), shared=shared, raw=value)
@@ -985,10 +988,7 @@ class Shard:
         finished and the list is empty."""
         try:
             while True:
-                await inbox.until(
-                    lambda: not inbox.full() or self._stop.is_set() or inbox.closing
-                )
-                if self._stop.is_set() or inbox.closing:
+                if not await self._until_room(inbox):
                     return
                 d = await gl.take(BLOCK_SECONDS)
                 if d is None:  # a wake-up, or a while without messages
