@@ -218,3 +218,27 @@ async def test_a_sync_push_to_two_shards_brings_the_token_back(job: Job) -> None
     else:  # fakeredis (no lean connection): it did not run, and the token waits
         assert (await tok.take_then([], 10))[0] == 1
     assert (await a.pull("v")).value.tolist() == [-1.0, -1.0]
+
+
+async def test_a_message_over_the_list_limit_goes_through_the_queue(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large synchronous message goes through the gradient queue (in chunks), and the
+    shard reads both: an update may mix them."""
+    from qps.ps import client as ps_client
+
+    monkeypatch.setattr(ps_client, "LIST_MAX_BYTES", 400)
+    a, b = await job.session("w0"), await job.session("w1")
+    await control.configure(a.client, C, 1, SGD(learning_rate=1.0), sync=(2, 2))
+    await a.variable("w", (2,), np.float32, initializer="zeros").create()
+    await a.variable("big", (100,), np.float32, initializer="zeros").create()
+    gl, q = GradientList(a.client, C, 0), control.gradient_queue(a.client, C, 0)
+    await a.push({"w": np.ones(2, np.float32)}, step=0)  # small: the list
+    await b.push({"w": np.ones(2, np.float32), "big": np.ones(100, np.float32)}, step=0)
+    assert await gl.size() == 1 and await q.size() == 1
+    await job.shard(0, 1)
+    assert (await control.tokens(a.client, C, 0).take_then([], 10))[0] == 1
+    assert (await a.pull("w")).value.tolist() == [-1.0, -1.0]
+    # each variable's accumulator averages the gradients it got (one here)
+    assert (await a.pull("big")).value.tolist() == [-1.0] * 100

@@ -30,7 +30,7 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.ps import control
-from qps.ps.gradlist import GradientList
+from qps.ps.gradlist import LIST_MAX_BYTES, GradientList
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
 from qps.transport import Client
@@ -362,10 +362,12 @@ class PSClient:
         in all). ``then``: read commands run right after it (their replies go to
         ``then_out``); ``blocking`` ones only with the first try.
 
-        Synchronous training on a single server pushes onto the shard's
+        Synchronous training on a single server pushes a message of up to
+        :data:`~qps.ps.gradlist.LIST_MAX_BYTES` onto the shard's
         :class:`~qps.ps.gradlist.GradientList` instead: one ``RPUSH`` in the round trip
-        of ``then`` (the token's wait and the next pull)."""
-        if self._sync and not self.client.cluster:
+        of ``then`` (the token's wait and the next pull). A larger one goes through the
+        queue, in chunks (DESIGN.md §4.5); the shard reads both."""
+        if self._sync and not self.client.cluster and len(payload) <= LIST_MAX_BYTES:
             return await self._send_list(shard, payload, then, then_out, blocking)
         for attempt in range(1, PUSH_TRIES + 1):
             try:

@@ -24,9 +24,10 @@ to the shard, and a plain Redis list gives that with one command each way (DESIG
   its token: an owner that lost the lease cannot pop what a successor depends on.
 
 ``mark_finished`` pushes an empty element (never a message) to wake a shard blocked on
-the list. Everything else (async training, Redis Cluster, a client without lean
-connections) goes through the gradient queue (:func:`qps.ps.control.gradient_queue`),
-which a shard in synchronous mode reads as well.
+the list. Everything else (asynchronous training, Redis Cluster) goes through the
+gradient queue (:func:`qps.ps.control.gradient_queue`),
+which a shard in synchronous mode reads as well, and so do messages over
+:data:`LIST_MAX_BYTES`, which the queue moves in chunks.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ from qps import keys
 from qps.queues.base import Delivery
 from qps.transport import Client, is_noscript, map_errors
 
-__all__ = ["WAKE", "GradientList", "gradient_list_key"]
+__all__ = ["LIST_MAX_BYTES", "WAKE", "GradientList", "gradient_list_key", "is_list_delivery"]
 
+#: the largest message pushed onto the list; a larger one goes through the gradient
+#: queue, which moves it in chunks (the queue's own limit for an element kept inline)
+LIST_MAX_BYTES = 1 << 20
 #: the element ``mark_finished`` pushes to wake a blocked shard (a message never is empty)
 WAKE = b""
 #: what an element acknowledged out of order is overwritten with inside a processing list
