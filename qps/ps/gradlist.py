@@ -21,9 +21,7 @@ to the shard, and a plain Redis list gives that with one command each way (DESIG
   its owner stops cleanly. What comes again and was committed is found in the
   variables' applied ids and skipped, as with the queue;
 * the pops and tombstones run in a script that checks the shard's lease still holds
-  its token: an owner that lost the lease cannot pop what a successor depends on. A
-  synchronous update's messages are popped by the script that gives its tokens, in the
-  commit's round trip (:meth:`GradientList.pop_plan`; ``qps.ps.shard``).
+  its token: an owner that lost the lease cannot pop what a successor depends on.
 
 ``mark_finished`` pushes an empty element (never a message) to wake a shard blocked on
 the list. Everything else (asynchronous training, Redis Cluster) goes through the
@@ -35,7 +33,7 @@ which a shard in synchronous mode reads as well, and so do messages over
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -43,14 +41,7 @@ from qps import keys
 from qps.queues.base import Delivery
 from qps.transport import Client, is_noscript, map_errors
 
-__all__ = [
-    "LIST_MAX_BYTES",
-    "WAKE",
-    "GradientList",
-    "PopPlan",
-    "gradient_list_key",
-    "is_list_delivery",
-]
+__all__ = ["LIST_MAX_BYTES", "WAKE", "GradientList", "gradient_list_key", "is_list_delivery"]
 
 #: the largest message pushed onto the list; a larger one goes through the gradient
 #: queue, which moves it in chunks (the queue's own limit for an element kept inline)
@@ -88,16 +79,6 @@ end
 redis.call('DEL', KEYS[1])
 return n
 """
-
-
-class PopPlan(NamedTuple):
-    """What an acknowledgement does to the processing list (:meth:`GradientList.pop_plan`):
-    drop ``front`` messages from its front after overwriting those at ``marks`` with
-    the tombstone; ``seqs`` are the messages acknowledged."""
-
-    seqs: tuple[int, ...]
-    front: int
-    marks: tuple[int, ...]
 
 
 def gradient_list_key(container: str, shard: int) -> str:
@@ -203,60 +184,39 @@ class GradientList:
             return None
         return d
 
-    def pop_plan(self, ds: Sequence[Delivery]) -> PopPlan:
-        """What acknowledging deliveries ``ds`` (of :meth:`take`) does: the processing
-        list's front is dropped as far as every message of it is done, and one done
-        behind a message still held is overwritten with a tombstone. Nothing changes
-        until :meth:`popped` says it ran (:meth:`ack` runs it; a PS shard's commit
-        runs it in its last script, :meth:`pop_keys` / :meth:`pop_args`)."""
-        seqs = tuple(
-            seq
-            for seq in {int(d.tokens[0][len(_TAG) :]) for d in ds}
-            if seq >= self._popped and seq not in self._acked
-        )
-        done = self._acked.union(seqs)
-        front = 0
-        while self._popped + front in done:
-            front += 1
-        marks = tuple(seq - self._popped for seq in seqs if seq >= self._popped + front)
-        return PopPlan(seqs, front, marks)
-
-    def pop_keys(self) -> list[str]:
-        """The keys of a pop: the processing list and the shard's lease."""
-        assert self.proc is not None, "open() first"
-        return [self.proc, self._lease]
-
-    def pop_args(self, plan: PopPlan) -> list[bytes | int]:
-        """The arguments of a pop (see ``_ACK``): the lease token it needs, the tombstone,
-        how many to drop, the indices to overwrite."""
-        return [self._token, TOMBSTONE, plan.front, *plan.marks]
-
-    def popped(self, plan: PopPlan) -> None:
-        """The pop of ``plan`` was sent (or ran): count from after it."""
-        self._acked.update(plan.seqs)
-        for seq in range(self._popped, self._popped + plan.front):
-            self._acked.discard(seq)
-        self._popped += plan.front
-
     async def ack(self, ds: Sequence[Delivery], after: Sequence[Sequence[Any]] = ()) -> None:
-        """Done with deliveries ``ds`` (of :meth:`take`), as :meth:`pop_plan` says
-        (nothing, once the lease is lost: the next owner gives them back). ``after``:
-        plain commands sent in the same round trip (their failures are not raised)."""
+        """Done with deliveries ``ds`` (of :meth:`take`): the processing list's front
+        is popped as far as every message of it is done; one done behind a message
+        still held is overwritten with a tombstone (nothing, once the lease is lost:
+        the next owner gives them back). ``after``: plain commands sent in the same
+        round trip (their failures are not raised)."""
         assert self.proc is not None
-        plan = self.pop_plan(ds)
+        late = []
+        for d in ds:
+            seq = int(d.tokens[0][len(_TAG) :])
+            if seq >= self._popped and seq not in self._acked:
+                self._acked.add(seq)
+                late.append(seq)
+        front = 0
+        while self._popped + front in self._acked:
+            front += 1
+        marks = [seq - self._popped for seq in late if seq >= self._popped + front]
         commands: list[tuple[Any, ...]] = []
-        args = self.pop_args(plan)
-        if plan.front or plan.marks:
-            commands.append(("EVALSHA", self._ack_script.sha, 2, *self.pop_keys(), *args))
+        args: list[bytes | int] = [self._token, TOMBSTONE, front, *marks]
+        if front or marks:
+            sha = self._ack_script.sha
+            commands.append(("EVALSHA", sha, 2, self.proc, self._lease, *args))
         if not commands and not after:
             return
         # the state moves before the round trip: a concurrent ack then counts from it,
         # and its commands follow these on the connection
-        self.popped(plan)
+        for seq in range(self._popped, self._popped + front):
+            self._acked.discard(seq)
+        self._popped += front
         replies = await self.client.run_commands_replies([*commands, *after])
         if commands and isinstance(replies[0], BaseException) and is_noscript(replies[0]):
             with map_errors():
-                await self._ack_script(keys=self.pop_keys(), args=args)
+                await self._ack_script(keys=[self.proc, self._lease], args=args)
         elif commands and isinstance(replies[0], BaseException):
             raise replies[0]
 

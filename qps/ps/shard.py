@@ -79,7 +79,7 @@ from qps.errors import (
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
-from qps.ps.gradlist import GradientList, PopPlan, is_list_delivery
+from qps.ps.gradlist import GradientList, is_list_delivery
 from qps.ps.messages import (
     GradientMessage,
     SparseGradient,
@@ -185,19 +185,15 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 """
 
 # Synchronous training on a single server: the workers' tokens, sent in the commit's
-# round trip, after its scripts, and given only if the update committed; and, with the
-# update's messages taken from the gradient list, their pop (qps.ps.gradlist's _ACK).
+# round trip, after its scripts, and given only if the update committed.
 # KEYS: the updated variables' metas, the workers' token lists, the global step's
 # applied ids ('' when another shard counts it: else the update's id 'sync.<step>' is
-# among them), the update's done counter ('' with one shard holding variables), then,
-# for a pop, the processing list and the shard's lease.
+# among them), the update's done counter ('' with one shard holding variables).
 # ARGV: the number of variables, the shard's fencing token, each variable's version
 # once committed, the update's step, the shards that hold variables, the done
-# counter's time to live (ms), the number of pop keys (0 or 2), then a pop's arguments
-# (the lease's token, the tombstone, how many to drop, the indices to overwrite).
-# Reply: 1 tokens given; 2 counted, another shard gives them; -1, -2 the same but the
-# pop was refused (the lease is another owner's); 0 the update is not (all) committed:
-# nothing done.
+# counter's time to live (ms).
+# Reply: 1 tokens given; 2 counted, another shard gives them; 0 the update is not (all)
+# committed: nothing done.
 _TOKENS_IF_COMMITTED = """
 local n = tonumber(ARGV[1])
 for i = 1, n do
@@ -206,26 +202,16 @@ for i = 1, n do
     return 0
   end
 end
-local step, needed, extra = ARGV[3 + n], tonumber(ARGV[4 + n]), tonumber(ARGV[6 + n])
-local gs, done = KEYS[#KEYS - 1 - extra], KEYS[#KEYS - extra]
+local step, needed = ARGV[3 + n], tonumber(ARGV[4 + n])
+local gs, done = KEYS[#KEYS - 1], KEYS[#KEYS]
 if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return 0 end
-local sign = 1
-if extra > 0 then  -- the pop, unless the lease is another owner's now
-  local proc, v = KEYS[#KEYS - 1], redis.call('GET', KEYS[#KEYS])
-  if v and string.match(v, '^(%d+) ') == ARGV[7 + n] then
-    for i = 10 + n, #ARGV do redis.call('LSET', proc, ARGV[i], ARGV[8 + n]) end
-    if tonumber(ARGV[9 + n]) > 0 then redis.call('LTRIM', proc, ARGV[9 + n], -1) end
-  else
-    sign = -1
-  end
-end
 if needed > 1 then
   local count = redis.call('INCR', done)
   redis.call('PEXPIRE', done, ARGV[5 + n])
-  if count ~= needed then return 2 * sign end
+  if count ~= needed then return 2 end
 end
-for i = n + 1, #KEYS - 2 - extra do redis.call('RPUSH', KEYS[i], step) end
-return sign
+for i = n + 1, #KEYS - 2 do redis.call('RPUSH', KEYS[i], step) end
+return 1
 """
 
 
@@ -1043,7 +1029,10 @@ class Shard:
 
         An ack carries in its round trip (on a single server) the releases of the
         groups acked before, and ``count``'s stats: see :meth:`_released`."""
-        self._unhold(ds)
+        gone = {id(d) for d in ds}
+        self._held = [d for d in self._held if id(d) not in gone]  # by identity
+        for d in ds:
+            self._sizes.pop(d.tokens, None)
         listed = [d for d in ds if is_list_delivery(d)]
         if listed:  # the gradient list's: given back all at once when the loop ends
             ds = [d for d in ds if not is_list_delivery(d)]
@@ -1070,13 +1059,6 @@ class Shard:
             self.log.warning("%s", exc)
             return False
         return True
-
-    def _unhold(self, ds: Sequence[Delivery]) -> None:
-        """Stop holding deliveries ``ds`` (by identity)."""
-        gone = {id(d) for d in ds}
-        self._held = [d for d in self._held if id(d) not in gone]
-        for d in ds:
-            self._sizes.pop(d.tokens, None)
 
     async def _group(self, q: QueueBase, inbox: _Inbox) -> None:
         """Take a group of messages from the inbox, apply them in order to the in-memory
@@ -1355,24 +1337,21 @@ class Shard:
         updates: int | None = None,
         gs_ids: Sequence[str] = (),
         tokens: int | None = None,
-        pops: PopPlan | None = None,
-    ) -> tuple[list[tuple[str, BaseException]], int]:
+    ) -> tuple[list[tuple[str, BaseException]], bool]:
         """Commit the variables of ``pending``, then advance the global step by ``gs_ids``
         (each commit is atomic on its own, and records the ids with its state, so each
         is exactly-once on its own: the variables' run concurrently); those committed
-        leave ``touched``. Returns the variables' failures, and how synchronous update
-        ``tokens`` (if given) had its tokens handled here: the token script's reply (0:
-        not handled; 1, 2: handled, and ``pops``, the update's messages taken from the
-        gradient list, popped with them; -1, -2: handled, the pop refused); the global
-        step's failure raises.
+        leave ``touched``. Returns the variables' failures, and whether synchronous
+        update ``tokens`` (if given) had its tokens handled here; the global step's
+        failure raises.
 
         On a single server, small dense commits go all at once: every variable's writes
         and commit script, the global step's script, and the update's tokens (given
         only if all of it committed), in one round trip."""
         names = list(pending)
-        batch = await self._commit_at_once(names, pending, updates, gs_ids, tokens, pops)
+        batch = await self._commit_at_once(names, pending, updates, gs_ids, tokens)
         results: list[BaseException | None]
-        handed = 0
+        handed = False
         if batch is None:
             results, rest = [None] * len(names), list(range(len(names)))
         else:  # what remains: commits that did not run (script not loaded, or held)
@@ -1413,8 +1392,7 @@ class Shard:
         updates: int | None,
         gs_ids: Sequence[str],
         tokens: int | None = None,
-        pops: PopPlan | None = None,
-    ) -> tuple[list[BaseException | None], Sequence[str], int] | None:
+    ) -> tuple[list[BaseException | None], Sequence[str], bool] | None:
         """The commits of :meth:`_commit_all` in one round trip, if they are all small
         dense ones on a single server; None otherwise. Returns each variable's outcome
         (None: committed; :class:`_Fallback`: its script was not loaded, or a
@@ -1422,10 +1400,7 @@ class Shard:
         way), the global-step ids still to count (``gs_ids`` unless its script ran
         here), and whether the tokens of synchronous update ``tokens`` were handled
         (given, or counted for the shard that gives them) by a last script that runs
-        only if every commit of the round trip took (its reply, see :meth:`_commit_all`;
-        0 if it did not run); that script pops ``pops`` too.
-        With ``pops``, the releases waiting for an acknowledgement lead the round trip
-        (those of earlier updates, whose messages were popped: their failure is logged)."""
+        only if every commit of the round trip took."""
         if self.client.cluster or not names:
             return None
         plans = []
@@ -1450,27 +1425,18 @@ class Shard:
                 await self.client.commands.script_load(_COUNT_STEPS)
                 await self.client.commands.script_load(_TOKENS_IF_COMMITTED)
             self._scripts_loaded = True
-        lead: list[tuple[Any, ...]] = []
-        if pops is not None:
-            lead, self._release_later = self._release_later, []
-        commands = [*lead, *(c for cmds, _ in plans for c in cmds)]
+        commands = [c for cmds, _ in plans for c in cmds]
         if gs_ids:
             await self._open_global_step()
             sha, gk = self._step_script.sha, self._step_keys()
             commands.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
         if tokens is not None:
-            commands.append(
-                await self._tokens_command(names, pending, updates, tokens, gs_ids, pops)
-            )
+            commands.append(await self._tokens_command(names, pending, updates, tokens, gs_ids))
         replies = await self.client.run_commands_replies(commands)
-        for r in replies[: len(lead)]:
-            if isinstance(r, BaseException):  # the ids expire (APPLIED_KEEP_MS)
-                self.log.warning("could not release the ids of an update: %s", r)
-        del replies[: len(lead)]
-        handed = 0
+        handed = False
         if tokens is not None:
             reply = replies.pop()
-            handed = 0 if isinstance(reply, BaseException) else int(reply)
+            handed = not isinstance(reply, BaseException) and int(reply) != 0
             if is_noscript(reply):
                 self._scripts_loaded = False
         results: list[BaseException | None] = []
@@ -1514,23 +1480,17 @@ class Shard:
         updates: int | None,
         step: int,
         gs_ids: Sequence[str],
-        pops: PopPlan | None = None,
     ) -> tuple[Any, ...]:
         """The guarded token script (``_TOKENS_IF_COMMITTED``) for update ``step``,
         committed by the round trip's scripts (the variables of ``names``, and the
-        global step if ``gs_ids``), popping ``pops`` from the gradient list."""
+        global step if ``gs_ids``)."""
         lists, needed = await self._token_lists()
         gs = keys.counter_applied(self.container, keys.GLOBAL_STEP) if gs_ids else ""
         done = self._done_key(step) if needed > 1 else ""
         metas = [keys.variable_meta(self.container, n) for n in names]
         ks = [*metas, *(t.key for t in lists), gs, done]
         versions = [self._next(self.owned[n], pending[n], updates)[1] for n in names]
-        args: list[Any] = [len(names), self.token, *versions, step, needed, DONE_TTL_MS]
-        if pops is not None and self._list is not None:
-            ks += self._list.pop_keys()
-            args += [2, *self._list.pop_args(pops)]
-        else:
-            args.append(0)
+        args = [len(names), self.token, *versions, step, needed, DONE_TTL_MS]
         return ("EVALSHA", self._tokens_script.sha, len(ks), *ks, *args)
 
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
@@ -1659,10 +1619,8 @@ class Shard:
             gs_ids = (
                 [f"sync.{self.sync_step + 1}"] if self.shard == control.GLOBAL_STEP_SHARD else []
             )
-            listed = [d for d in deliveries if is_list_delivery(d)]
-            pops = self._list.pop_plan(listed) if self._list is not None and listed else None
             failed, handed = await self._commit_all(
-                pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1, pops=pops
+                pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1
             )
             for _, failure in failed:
                 raise failure
@@ -1671,24 +1629,6 @@ class Shard:
             self._give_back += deliveries  # the loop ends: given back with the rest
             raise
         self.sync_step += 1
-        if handed < 0:  # committed, but the lease is another owner's: it gives them back
-            self._lost = (
-                f"ps shard {self.shard}: the lease is another owner's (update "
-                f"{self.sync_step} committed, its messages not popped); stopping"
-            )
-            self.log.error("%s", self._lost)
-            self._halt()
-            return
-        if handed and pops is not None and self._list is not None:
-            # popped with the commit (its last script): done with those messages
-            self._list.popped(pops)
-            self._unhold(listed)
-            deliveries = [d for d in deliveries if not is_list_delivery(d)]
-            if not deliveries:  # nothing left to acknowledge: count and release now
-                if not self.client.cluster:
-                    self._release_later += self._stats_commands(g)
-                await self._released(g)
-                return
 
         async def settle() -> None:  # the ids are released once the ack is done
             if await self._settle(q, deliveries, ack=True, count=g):
