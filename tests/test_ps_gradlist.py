@@ -50,7 +50,7 @@ async def test_take_ack_in_and_out_of_order(make_client) -> None:
     assert [bytes(d.value) for d in ds] == [b"m0", b"m1", b"m2"]  # type: ignore[union-attr]
     assert await gl.size() == 0 and await _items(client, gl.proc) == [b"m0", b"m1", b"m2"]
     d0, d1, d2 = ds
-    await gl.ack([d2])  # behind two held ones: a tombstone in place, bytes freed
+    assert await gl.ack([d2])  # behind two held ones: a tombstone in place, bytes freed
     assert await _items(client, gl.proc) == [b"m0", b"m1", TOMBSTONE]
     await gl.ack([d0])
     assert await _items(client, gl.proc) == [b"m1", TOMBSTONE]
@@ -111,7 +111,7 @@ async def test_a_new_owner_puts_back_what_earlier_owners_hold_and_they_cannot_po
     # refused (the lease holds token 2)
     late = await first.take(1)
     assert late is not None and bytes(late.value) == b"2"
-    await first.ack([late])
+    assert await first.ack([late]) is False
     assert await _items(client, first.proc) == [b"2"]  # type: ignore[arg-type]
     assert await second.held() == 1
     assert await second.reclaim() == 1  # what the lease's renewals do

@@ -184,12 +184,13 @@ class GradientList:
             return None
         return d
 
-    async def ack(self, ds: Sequence[Delivery], after: Sequence[Sequence[Any]] = ()) -> None:
+    async def ack(self, ds: Sequence[Delivery], after: Sequence[Sequence[Any]] = ()) -> bool:
         """Done with deliveries ``ds`` (of :meth:`take`): the processing list's front
         is popped as far as every message of it is done; one done behind a message
-        still held is overwritten with a tombstone (nothing, once the lease is lost:
-        the next owner gives them back). ``after``: plain commands sent in the same
-        round trip (their failures are not raised)."""
+        still held is overwritten with a tombstone. False if the lease is another
+        owner's: nothing was popped (the next owner gives them back, and their ids must
+        stay recorded). ``after``: plain commands sent in the same round trip (their
+        failures are not raised)."""
         assert self.proc is not None
         late = []
         for d in ds:
@@ -207,18 +208,22 @@ class GradientList:
             sha = self._ack_script.sha
             commands.append(("EVALSHA", sha, 2, self.proc, self._lease, *args))
         if not commands and not after:
-            return
+            return True
         # the state moves before the round trip: a concurrent ack then counts from it,
         # and its commands follow these on the connection
         for seq in range(self._popped, self._popped + front):
             self._acked.discard(seq)
         self._popped += front
         replies = await self.client.run_commands_replies([*commands, *after])
-        if commands and isinstance(replies[0], BaseException) and is_noscript(replies[0]):
+        if not commands:
+            return True
+        reply = replies[0]
+        if isinstance(reply, BaseException) and is_noscript(reply):
             with map_errors():
-                await self._ack_script(keys=[self.proc, self._lease], args=args)
-        elif commands and isinstance(replies[0], BaseException):
-            raise replies[0]
+                reply = await self._ack_script(keys=[self.proc, self._lease], args=args)
+        elif isinstance(reply, BaseException):
+            raise reply
+        return bool(int(reply))
 
     async def give_back(self) -> int:
         """Put everything the processing list holds back at the front of the list, in

@@ -1046,19 +1046,22 @@ class Shard:
                 self._release_later += self._stats_commands(count)
             if listed or any(d.tokens for d in ds):  # what waits for an ack goes with it
                 after, self._release_later = self._release_later, []
+        popped = True
         if listed:
             assert self._list is not None
-            await self._list.ack(listed, after=after)
+            popped = await self._list.ack(listed, after=after)
             after = []
+            if not popped:  # the lease is another owner's: it gives them back
+                self.log.warning("the gradient list's pop was refused: the lease was lost")
         if not ds:
-            return True
+            return popped
         joined = _joined(ds)
         try:
             await q.ack(joined, after=after)
         except AbortedError as exc:
             self.log.warning("%s", exc)
             return False
-        return True
+        return popped
 
     async def _group(self, q: QueueBase, inbox: _Inbox) -> None:
         """Take a group of messages from the inbox, apply them in order to the in-memory
