@@ -154,22 +154,32 @@ async def test_sync_pushes_go_through_the_list(job: Job) -> None:  # noqa: F811
         await a.push({"w": np.array([1, 1], np.float32)}, step=1)
 
 
+@pytest.mark.parametrize("how", ["lost", "refused"])
 async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
     job: Job,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    how: str,
 ) -> None:
-    """A shard that stops after committing an update but before popping its message
-    gives the message back; a shard that dies holding messages leaves them in its
-    processing list. The next owner puts both back, finds the committed one in the
-    applied ids (skipped) and applies the other once."""
+    """A shard that stops after committing an update whose pop was lost (an error) or
+    refused (the lease no longer holds its token) gives the message back and keeps its
+    ids; a shard that dies holding messages leaves them in its processing list. The
+    next owner puts both back, finds the committed one in the applied ids (skipped)
+    and applies the other once."""
     sess = await job.session("w0")
     await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), sync=(1, 1))
     await sess.variable("w", (2,), np.float32, initializer="zeros").create()
     real_ack = GradientList.ack
+    answers: list[bool] = []
 
-    async def no_ack(self: GradientList, ds: object, after: object = ()) -> None:
-        # as if the process died between the commit and the pop: the ids stay recorded
-        raise UnavailableError("the pop was lost (test)")
+    async def no_ack(self: GradientList, ds: object, after: object = ()) -> bool:
+        if how == "lost":  # as if the process died between the commit and the pop
+            raise UnavailableError("the pop was lost (test)")
+        token, self._token = self._token, 1 << 50  # a token the lease does not hold
+        try:
+            answers.append(await real_ack(self, ds, after))  # type: ignore[arg-type]
+        finally:
+            self._token = token
+        return answers[-1]
 
     monkeypatch.setattr(GradientList, "ack", no_ack)
     shard, task = await job.shard(0, 1)
@@ -178,6 +188,7 @@ async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
     assert (await tok.take_then([], 10))[0] == 1
     shard.request_stop()
     assert await asyncio.wait_for(task, 10) == "stopped"
+    assert answers == ([False] if how == "refused" else [])
     monkeypatch.setattr(GradientList, "ack", real_ack)
     gl = GradientList(sess.client, C, 0)
     assert await gl.size() == 1  # given back: committed, never popped
