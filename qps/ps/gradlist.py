@@ -10,8 +10,8 @@ to the shard, and a plain Redis list gives that with one command each way (DESIG
   round trip that then blocks on its token and reads the next parameters;
 * the shard takes each message with ``BLMOVE`` into a processing list of its own,
   ``<S>glist:proc:<token>`` (its lease's fencing token), where the message stays until
-  the update that applies it is committed: the shard then pops it
-  (``LPOP``; one taken out of order, e.g. a stale gradient dropped while earlier ones
+  the update that applies it is committed: the shard then drops it from the front
+  (``LTRIM``; one done out of order, e.g. a stale gradient dropped while earlier ones
   wait for their update, is overwritten with a one-byte tombstone in place);
 * a shard that stops gives back what its processing list holds, in order, to the front
   of the list; a shard that takes the lease over from a dead one does the same with
@@ -131,9 +131,7 @@ class GradientList:
         """Put back, at the front of the list and in order, what the processing lists of
         other (earlier) owners hold; the oldest owner's messages come first. Their
         names stay registered (a dead owner's blocked take may still fill its list)."""
-        with map_errors():
-            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
-        others = sorted((n for n in names if n != self.proc), key=_token_of, reverse=True)
+        others = sorted(await self._others(), key=_token_of, reverse=True)
         moved = 0
         for name in others:  # the newest first: each goes in front of the one before
             with map_errors():
@@ -142,15 +140,20 @@ class GradientList:
 
     async def held(self) -> int:
         """Messages in the processing lists of other owners (taken, never acknowledged)."""
+        others = await self._others()
+        if not others:
+            return 0
         with map_errors():
-            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
-            others = [n for n in names if n != self.proc]
-            if not others:
-                return 0
             pipe = self.client.commands.pipeline(transaction=False)
             for n in others:
                 pipe.llen(n)
             return sum(int(x) for x in await pipe.execute())
+
+    async def _others(self) -> list[str]:
+        """The registered processing lists other than this owner's."""
+        with map_errors():
+            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
+        return [n for n in names if n != self.proc]
 
     async def size(self) -> int:
         """Messages waiting in the list."""
