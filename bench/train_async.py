@@ -27,7 +27,7 @@ bytes) over the whole run of each side (set-up and the final reads included), as
 WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
-                                [--packed both|only|no]
+                                [--packed both|only|no] [--backend auto|numpy|cupy]
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def run_raw(workload: str, url: str) -> dict[str, Any]:
 # -- qps ------------------------------------------------------------------------------------
 
 
-def run_qps(url: str, rep: int, packed: bool = False) -> dict[str, Any]:
+def run_qps(url: str, rep: int, packed: bool = False, backend: str = "") -> dict[str, Any]:
     import redis
 
     from workers import job
@@ -278,7 +278,7 @@ def run_qps(url: str, rep: int, packed: bool = False) -> dict[str, Any]:
     cfg = TrainConfig(
         num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
         model=f"packed:{MODEL}" if packed else MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
-        sync_replicas=WORKERS if SYNC else None,
+        sync_replicas=WORKERS if SYNC else None, backend=backend,
     )  # fmt: skip
 
     async def main() -> tuple[Any, dict[str, Any]]:
@@ -311,6 +311,10 @@ def main() -> None:
     ap.add_argument("--packed", choices=["both", "only", "no"], default=None,
                     help="qps with the model packed (packed:<model>) too, instead, or not "
                     "(default: both for W4 and W6, no for W5)")  # fmt: skip
+    ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="",
+                    help="where the qps workers' math runs (qps worker --backend; default: "
+                    "$QPS_BACKEND, else auto: CuPy on a CUDA device); raw and numpy always "
+                    "use NumPy")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     packed = args.packed or ("no" if args.workload == "w5" else "both")
@@ -328,7 +332,7 @@ def main() -> None:
             got["numpy"].append(run_numpy())
             got["raw"].append(measured(run_raw, args.workload, server.url))
             for k in impls:
-                got[k].append(measured(run_qps, server.url, rep, k == "qps packed"))
+                got[k].append(measured(run_qps, server.url, rep, k == "qps packed", args.backend))
             print(f"rep {rep}: " + ", ".join(
                 f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
                 f"(acc {v[-1]['accuracy']:.3f})" for k, v in got.items()
@@ -342,6 +346,7 @@ def main() -> None:
     acc = {k: statistics.median(r["accuracy"] for r in v) for k, v in got.items()}
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+    print(f"- qps workers' backend: {args.backend or os.environ.get('QPS_BACKEND') or 'auto'}")
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
     steps = STEPS * WORKERS
     p_bytes = sum(4 * (i * o + o) for i, o in SIZES)  # float32 weights and biases

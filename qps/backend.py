@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 ENV_VAR = "QPS_BACKEND"
-_CHOICES = ("auto", "numpy", "cupy")
+#: the values ``QPS_BACKEND`` (and ``qps worker --backend``) take
+CHOICES = ("auto", "numpy", "cupy")
 
 
 @functools.cache
@@ -55,22 +56,23 @@ def gpu_available() -> bool:
     return cupy_or_none() is not None
 
 
-def choose(preference: str | None = None) -> ModuleType:
-    """The backend for a ``QPS_BACKEND`` value (``None`` or ``""`` mean ``auto``).
+def choose(preference: str | None = None, what: str = ENV_VAR) -> ModuleType:
+    """The backend for a ``QPS_BACKEND`` value (``None`` or ``""`` mean ``auto``);
+    ``what`` names where the value came from in the errors.
 
     Raises ``ValueError`` for an unknown value and ``RuntimeError`` for ``cupy`` where
     CuPy or a CUDA device is missing.
     """
     pref = (preference or "auto").strip().lower()
-    if pref not in _CHOICES:
-        raise ValueError(f"{ENV_VAR}={preference!r} is not one of {', '.join(_CHOICES)}")
+    if pref not in CHOICES:
+        raise ValueError(f"{what}={preference!r} is not one of {', '.join(CHOICES)}")
     if pref == "numpy":
         return np
     cp, why = _probe_cupy()
     if cp is not None:
         return cp
     if pref == "cupy":
-        raise RuntimeError(f"{ENV_VAR}=cupy, but {why}")
+        raise RuntimeError(f"{what}=cupy, but {why}")
     return np
 
 
@@ -83,6 +85,19 @@ def get_xp() -> ModuleType:
 def backend_name() -> str:
     """``"numpy"`` or ``"cupy"``: the name of :func:`get_xp`'s module."""
     return "cupy" if get_xp() is not np else "numpy"
+
+
+def describe(xp: ModuleType) -> str:
+    """``xp`` in words for a log line: ``numpy``, or ``cupy on <device name>``."""
+    if xp is np:
+        return "numpy"
+    try:
+        props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
+        name = props["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # an exotic runtime: the module's name will do
+        return xp.__name__
+    return f"{xp.__name__} on {name}"
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -114,11 +129,13 @@ def to_backend(x: Any, xp: ModuleType) -> Any:
 
 
 __all__ = [
+    "CHOICES",
     "ENV_VAR",
     "asnumpy",
     "backend_name",
     "choose",
     "cupy_or_none",
+    "describe",
     "get_xp",
     "gpu_available",
     "is_cupy_array",

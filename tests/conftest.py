@@ -315,11 +315,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 ClientFactory = Callable[[], Awaitable[transport.Client]]
 
 
+@functools.cache
+def _import_sklearn() -> None:
+    """Import what ``workers.data`` loads the digits with, here on the main thread.
+
+    An in-process worker on fakeredis imports it on a thread (``asyncio.to_thread``)
+    while fakeredis's blocking commands keep the event loop's thread busy: every file
+    the import reads gives up the GIL, which then takes a switch interval (5 ms) to
+    come back, and the import took 35-40 s instead of 1 s."""
+    import sklearn.datasets
+    import sklearn.model_selection
+    import sklearn.preprocessing  # noqa: F401
+
+
 @pytest.fixture(params=BACKENDS)
 async def make_client(request: pytest.FixtureRequest) -> AsyncIterator[ClientFactory]:
     """A factory of clients that all reach one fresh, empty server of the backend."""
     made: list[transport.Client] = []
     if request.param == "fakeredis":
+        _import_sklearn()
         server = fakeredis.FakeServer()
 
         async def make() -> transport.Client:

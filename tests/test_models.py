@@ -558,3 +558,14 @@ def test_gpu_model_twin(spec):
         pulled = {**dev_params, **{n: Rows(r, dev_params[n][r]) for n, r in needed.items()}}
         loss_r, _ = m.loss_and_grads(pulled, dev_batch)
         assert loss_r == pytest.approx(loss_h, rel=1e-4)
+        # what a worker on a GPU hands it: pulled rows moved to the device, a host batch
+        rows = {n: Rows(r, params[n][r]) for n, r in m.rows_needed(batch).items()}
+        worker_params = params_to({**params, **rows}, cp)
+        loss_w, g_w = m.loss_and_grads(worker_params, batch)
+        assert loss_w == pytest.approx(loss_h, rel=1e-4)
+        for k, gh in grads_to_host(g_w).items():
+            want = g_h[k]
+            if isinstance(want, SparseGradient):
+                np.testing.assert_array_equal(gh.indices, want.indices)
+                gh, want = gh.values, want.values
+            np.testing.assert_allclose(gh, want, rtol=1e-3, atol=1e-5, err_msg=k)

@@ -93,6 +93,9 @@ class TrainConfig:
     #: takes over its lease at once; a killed worker resumes after its last published
     #: step. 0: never.
     restarts: int = 3
+    #: where the workers' math runs (``qps worker --backend``); "": each worker's
+    #: default ($QPS_BACKEND, else auto)
+    backend: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
 
     def metrics_ports(self) -> dict[str, int]:
@@ -127,6 +130,8 @@ class TrainConfig:
                 args += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.logdir:
             args += ["--logdir", self.logdir]
+        if self.backend:
+            args += ["--backend", self.backend]
         return args + self._metrics_args(f"worker{index}") + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:

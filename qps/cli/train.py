@@ -40,7 +40,7 @@ CONFIG_KEYS = {
     "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group", "max_message_mib", "metrics_port", "metrics_addr",
-    "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts",
+    "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
 }  # fmt: skip
 
 
@@ -177,6 +177,14 @@ def _load_config(path: str) -> dict[str, Any]:
     "process manager would: a shard takes its lease back at once, a worker resumes "
     "after its last published step. 0: never. [3]",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", "numpy", "cupy"], case_sensitive=False),
+    default=None,
+    help="Where the workers' math runs (see `qps worker --backend`) [$QPS_BACKEND, "
+    "else auto: CuPy on a CUDA device for a model of over 200,000 dense parameters, "
+    "NumPy otherwise].",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -222,6 +230,13 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     merged.setdefault("num_workers", merged.pop("workers", 3))
     merged.pop("ps", None)
     merged.pop("workers", None)
+    if merged.get("backend"):  # refused here rather than by every worker
+        from qps import backend
+
+        try:
+            backend.choose(str(merged["backend"]), "backend")
+        except (ValueError, RuntimeError) as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
         raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
     sync_replicas = None

@@ -99,6 +99,18 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @click.option("--log-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option(
+    "--backend",
+    type=click.Choice(["auto", "numpy", "cupy"], case_sensitive=False),
+    envvar="QPS_BACKEND",
+    show_envvar=True,
+    default="auto",
+    show_default=True,
+    help="Where each step's math runs: auto (CuPy where CuPy and a CUDA device exist "
+    "and the model has over 200,000 dense parameters; a smaller one is faster in "
+    "NumPy), numpy, or cupy (refused without a device). On the device the parameters "
+    "are copied there after each pull and the gradients back before each push.",
+)
+@click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False),
     default=None,
@@ -145,8 +157,8 @@ def worker(
     Worker 0 is the chief: it initialises the variables (or restores the newest
     checkpoint of --checkpoint-dir into an empty container) and marks the model ready;
     the others wait for it, blocked in Redis. Each step takes a batch, reads the
-    parameters straight from Redis, computes the gradients (NumPy, or CuPy on a GPU)
-    and pushes them to the PS shards (`qps ps`), which apply them. The next batch is
+    parameters straight from Redis, computes the gradients (NumPy, or CuPy on a GPU:
+    --backend) and pushes them to the PS shards (`qps ps`), which apply them. The next batch is
     fetched while a step computes, and the push and the next pull travel together.
 
     It stops after --steps steps, at --until-global-step, at the end of its input, or

@@ -170,7 +170,11 @@ class GradientList:
         if replies is None:  # no lean connection (fakeredis)
             with map_errors():
                 got = await self.client.commands.blmove(
-                    self.key, self.proc, timeout, "LEFT", "RIGHT"  # type: ignore[arg-type]
+                    self.key,
+                    self.proc,
+                    timeout,  # type: ignore[arg-type]
+                    "LEFT",
+                    "RIGHT",
                 )
         else:
             got = replies[0]

@@ -175,6 +175,8 @@ class EmbeddingBagMLP(BaseModel):
     ) -> tuple[Array, list[tuple[Array, Array | None]], Array]:
         dense, ids, y = self._batch(batch)
         w1 = params["W1"]
+        xp = xp_of(w1)
+        ids, y = xp.asarray(ids), xp.asarray(y)  # a host batch goes to the parameters' device
         pooled = []
         local: list[tuple[Array, Array | None]] = []
         for f, name in enumerate(self.tables):

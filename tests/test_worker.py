@@ -1,0 +1,151 @@
+"""The worker role's choice of array backend (workers/worker.py, ``--backend``).
+
+On a machine without CUDA only the NumPy side and the errors run; the GPU tests
+(marked ``gpu``) train the same synchronous job on NumPy and on CuPy and compare."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from qps import backend, containers
+from qps.errors import InvalidArgumentError
+from qps.optimizers import SGD
+from qps.ps import control
+from tests.test_ps_shard import C, Job
+from workers.worker import Worker, WorkerConfig
+
+needs_gpu = pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
+
+
+def _cfg(**kw: Any) -> WorkerConfig:
+    base: dict[str, Any] = {
+        "index": 0, "num_workers": 1, "num_shards": 1, "model": "mlp:64,16,10",
+        "data": "digits", "batch_size": 32, "steps": 12, "container": C,
+        "log_every": 1000, "evaluate": False, "finish_job": False,
+    }  # fmt: skip
+    return WorkerConfig(**{**base, **kw})
+
+
+def test_an_unknown_backend_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="backend='jax' is not one of auto"):
+        _cfg(backend="jax").check()
+
+
+@pytest.mark.skipif(backend.gpu_available(), reason="a CUDA device is here")
+def test_cupy_without_a_device_is_refused_before_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="backend=cupy, but CuPy"):
+        _cfg(backend="cupy").check()
+    monkeypatch.setenv("QPS_BACKEND", "cupy")  # the variable when no flag is given
+    with pytest.raises(InvalidArgumentError, match="QPS_BACKEND=cupy"):
+        _cfg().check()
+
+
+def test_numpy_is_chosen_and_a_small_model_computes_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("QPS_BACKEND", "cupy")  # the flag wins over the variable
+    w = Worker(_cfg(backend="numpy"), None)  # type: ignore[arg-type]
+    assert w.xp is np and w.inline
+    w = Worker(_cfg(backend="numpy", model="mlp:64,1024,1024,10"), None)  # type: ignore[arg-type]
+    assert w.xp is np and not w.inline  # a large model computes on a thread
+
+
+async def _train(make_client: Any, backend_name: str, steps: int) -> dict[str, np.ndarray]:
+    """One synchronous worker, one shard, in a fresh container: every step applies
+    exactly this worker's gradient of the step before's parameters, so the run is
+    deterministic. Returns the final parameters."""
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C])
+    try:
+        await control.configure(client, C, 1, SGD(learning_rate=0.05), sync=(1, 1))
+        await j.shard(0, 1, lease_ms=5000)
+        sess = await j.session("worker0")
+        w = Worker(_cfg(steps=steps, backend=backend_name), sess)
+        await w.prepare()
+        res = await asyncio.wait_for(w.train(), 120)
+        assert res.steps == steps
+        got = await sess.pull([p.name for p in w.model.params_spec()])
+        return {n: np.array(v.value) for n, v in got.items()}
+    finally:
+        await j.close()
+
+
+async def test_a_numpy_worker_trains_the_same_twice(make_client: Any) -> None:
+    first = await _train(make_client, "numpy", 6)
+    init = Worker(_cfg(), None).model.init_params(np.random.default_rng(0))  # type: ignore[arg-type]
+    assert set(first) == set(init)
+    assert all(not np.array_equal(first[n], init[n]) for n in init)  # every one moved
+    second = await _train(make_client, "numpy", 6)
+    for n, v in first.items():
+        np.testing.assert_array_equal(second[n], v, err_msg=n)
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_a_cupy_worker_trains_as_a_numpy_one(make_client: Any) -> None:
+    """The same job on the GPU and on the host: the parameters agree to rounding."""
+    host = await _train(make_client, "numpy", 20)
+    dev = await _train(make_client, "cupy", 20)
+    for n, v in host.items():
+        np.testing.assert_allclose(dev[n], v, rtol=1e-3, atol=1e-5, err_msg=n)
+
+
+def test_the_clis_refuse_a_backend_they_cannot_use(tmp_path: Any) -> None:
+    """`qps train` refuses a bad --backend (flag or config file) before it starts any
+    role; `qps worker` before it connects. Where a GPU exists only the bad name runs."""
+    from click.testing import CliRunner
+
+    from qps.cli.main import cli
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+    conf = tmp_path / "job.toml"
+    conf.write_text('backend = "jax"\n')
+    r = run("train", "--config", str(conf))
+    assert r.exit_code == 2 and "backend='jax' is not one of auto, numpy, cupy" in r.output
+    r = run("worker", "--index", "0", "--num-workers", "1", "--backend", "jax")
+    assert r.exit_code == 2 and "'jax' is not one of" in r.output
+    if backend.gpu_available():
+        return
+    r = run("train", "--backend", "cupy")
+    assert r.exit_code == 2 and "backend=cupy, but CuPy" in r.output, r.output
+    r = run("worker", "--index", "0", "--num-workers", "1", "--backend", "cupy")
+    assert r.exit_code == 2 and "backend=cupy, but CuPy" in r.output, r.output
+
+
+def test_qps_train_passes_the_backend_to_every_worker() -> None:
+    from workers.launcher import TrainConfig
+
+    args = TrainConfig(backend="numpy").worker_args(1, "redis://x", "c")
+    assert args[args.index("--backend") + 1] == "numpy"
+    assert "--backend" not in TrainConfig().worker_args(1, "redis://x", "c")
+
+
+def test_auto_puts_only_a_large_model_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a device (here a stand-in CuPy module), auto computes a model of more than
+    INLINE_PARAMS dense parameters with CuPy and a smaller one with NumPy; cupy forces
+    CuPy for any model, numpy NumPy."""
+    import types
+
+    fake = types.ModuleType("cupy")
+    monkeypatch.setattr(backend, "_probe_cupy", lambda: (fake, ""))
+    monkeypatch.delenv("QPS_BACKEND", raising=False)
+    small, large = "mlp:64,16,10", "mlp:784,1024,1024,10"
+
+    def xp(model: str, choice: str) -> Any:
+        return Worker(_cfg(model=model, backend=choice), None).xp  # type: ignore[arg-type]
+
+    assert xp(small, "auto") is np
+    assert xp(large, "auto") is fake
+    assert xp(small, "cupy") is fake
+    assert xp(large, "numpy") is np
+    monkeypatch.setenv("QPS_BACKEND", "cupy")  # no flag: the variable decides
+    assert xp(small, "") is fake
