@@ -380,6 +380,16 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.node.callspec.params.get("make_client", ""))
 
 
+@pytest.fixture
+def queue_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient messages go through the shards' gradient queues, as on a Redis Cluster,
+    instead of the gradient lists of a single server (qps.ps.gradlist): for the tests of
+    what the queue path does."""
+    from qps.ps import client as ps_client
+
+    monkeypatch.setattr(ps_client, "LIST_MAX_BYTES", -1)
+
+
 async def until(pred: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
     """Wait (in a test) until ``pred()`` is true; fail after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ from qps.optimizers import SGD
 from qps.ps import control
 from qps.ps.gradlist import TOMBSTONE, WAKE, GradientList, is_list_delivery
 from qps.ps.messages import decode_message
+from tests.conftest import cancel_all, until
 from tests.test_ps_shard import C, Job, job  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.no_cluster(reason="the gradient list serves a single server")
@@ -253,3 +254,164 @@ async def test_a_message_over_the_list_limit_goes_through_the_queue(
     assert (await a.pull("w")).value.tolist() == [-1.0, -1.0]
     # each variable's accumulator averages the gradients it got (one here)
     assert (await a.pull("big")).value.tolist() == [-1.0] * 100
+
+
+# -- asynchronous training: the list with credits ---------------------------------------
+
+
+async def test_take_many_takes_what_waits_in_one_round_trip(make_client) -> None:
+    client = await make_client()
+    gl = await _owner(client, 3)
+    await _push(client, gl, b"m0", b"m1", WAKE, b"m2", b"m3", b"m4")
+    got = await gl.take_many(4, 1)  # none known to wait: blocks for the first
+    assert [bytes(d.value) for d in got] == [b"m0"] and gl.waiting == 5
+    got = await gl.take_many(3, 1)  # three at once; the wake-up among them is dropped
+    assert [bytes(d.value) for d in got] == [b"m1", b"m2"] and gl.waiting == 2
+    got += await gl.take_many(10, 1)
+    assert [bytes(d.value) for d in got] == [b"m1", b"m2", b"m3", b"m4"] and gl.waiting == 0
+    assert await gl.take_many(10, 0.05) == []  # none came
+    assert gl.proc is not None
+    assert await _items(client, gl.proc) == [b"m0", b"m1", TOMBSTONE, b"m2", b"m3", b"m4"]
+    await gl.ack(got)  # the front stays: m0 is not done
+    assert await _items(client, gl.proc) == [b"m0", *[TOMBSTONE] * 5]
+
+
+async def test_async_pushes_go_through_the_list_and_wait_for_credits(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asynchronous training on a single server: pushes go onto the shard's list; a
+    worker with the job's queue_capacity messages unsettled waits for a credit, which
+    the shard gives back for each message it settles: applied, or dead-lettered."""
+    from qps.ps.client import PSClient
+    from qps.ps.gradlist import credit_key
+
+    waits: list[int] = []
+    real_wait = PSClient._wait_credit
+
+    async def counted(self: PSClient, shard: int, key: str) -> None:
+        waits.append(self._unsettled[shard])
+        await real_wait(self, shard, key)
+
+    monkeypatch.setattr(PSClient, "_wait_credit", counted)
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), queue_capacity=2)
+    await sess.variable("w", (2,), np.float64, initializer="zeros").create()
+    gl, q = GradientList(sess.client, C, 0), control.gradient_queue(sess.client, C, 0, 2)
+    await sess.push({"w": np.array([1.0, 1.0])}, step=0)
+    await sess.push({"w": np.array([np.nan, 1.0])}, step=1)  # poison: dead-lettered
+    assert await gl.size() == 2 and await q.size() == 0 and waits == []
+    st = await control.shard_status(sess.client, C, 0)
+    assert st.queue_size == 2 and st.queue_bytes == sum(
+        len(x) for x in await _items(sess.client, gl.key)
+    )
+    third = asyncio.create_task(sess.push({"w": np.array([2.0, 2.0])}, step=2))
+    try:
+        await until_true(lambda: bool(waits))  # the window is full: it waits
+        assert waits == [2] and await gl.size() == 2
+        shard, _ = await job.shard(0, 1)
+        await asyncio.wait_for(third, 30)  # a credit came back
+        await _until_step(sess, 2)
+    finally:
+        await cancel_all([third])
+    assert (await sess.pull("w")).value.tolist() == [-3.0, -3.0]
+    assert shard.dead == 1 and shard.applied == 2
+    # a credit back for each of the three: those not picked up yet wait in the list
+    left = await sess.client.commands.llen(credit_key(C, 0, "w0"))
+    assert left == sess.ps._unsettled[0] <= 2
+
+
+async def test_a_push_waiting_for_a_credit_ends_when_the_job_finishes(
+    job: Job,  # noqa: F811
+) -> None:
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), queue_capacity=1)
+    await sess.variable("w", (2,), np.float64, initializer="zeros").create()
+    await sess.push({"w": np.ones(2)}, step=0)  # the window is full, no shard runs
+    blocked = asyncio.create_task(sess.push({"w": np.ones(2)}, step=1))
+    try:
+        await until_true(lambda: sess.ps._unsettled.get(0) == 1)
+        await control.mark_finished(sess.client, C)
+        with pytest.raises(CancelledError, match="finished"):
+            await asyncio.wait_for(blocked, 30)
+    finally:
+        await cancel_all([blocked])
+    sent = await _items(sess.client, GradientList(sess.client, C, 0).key)
+    assert len([m for m in sent if m != WAKE]) == 1  # the second was never sent
+
+
+async def test_async_messages_a_dead_shard_held_are_applied_once(job: Job) -> None:  # noqa: F811
+    from qps.ps.gradlist import credit_key
+
+    """A shard killed holding a message it took from the list: its successor, started
+    after the job was marked finished, puts it back and applies it once before it
+    finishes, and every message's credit comes back."""
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    await sess.variable("w", (1,), np.float64, initializer="zeros").create()
+    for k in range(3):
+        await sess.push({"w": np.full(1, 10.0**k)}, step=k)
+    first, task = await job.shard(0, 1)
+    await _until_step(sess, 3)
+    first.request_stop()
+    assert await asyncio.wait_for(task, 10) == "stopped"
+    await sess.push({"w": np.full(1, 1000.0)}, step=3)
+    dead = GradientList(await job.make_client(), C, 0)
+    await dead.open(1 << 40, "no-lease")  # takes it, then is "killed"
+    assert len(await dead.take_many(5, 1)) == 1
+    gl = GradientList(sess.client, C, 0)
+    assert await gl.size() == 0 and await gl.held() == 1
+    await control.mark_finished(sess.client, C)
+    shard, task = await job.shard(0, 1)
+    assert await asyncio.wait_for(task, 30) == "finished"
+    assert (await sess.pull("w")).value.tolist() == [-1111.0] and await sess.global_step() == 4
+    assert shard.applied == 1 and await gl.size() == 0 and await gl.held() == 0
+    credits = await sess.client.commands.llen(credit_key(C, 0, "w0"))
+    assert credits == sess.ps._unsettled[0]  # four given back, the rest picked up
+
+
+async def until_true(pred) -> None:
+    async def check() -> bool:
+        return bool(pred())
+
+    await until(check)
+
+
+async def _until_step(sess, n: int) -> None:
+    async def reached() -> bool:
+        return await sess.global_step() >= n
+
+    await until(reached, timeout=30)
+
+
+async def test_a_push_after_the_end_takes_its_message_back_unless_it_was_taken(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push that finds the job finished (its RPUSH went in the same round trip)
+    withdraws its message and raises CancelledError: nothing is applied that the worker
+    does not count. If the shard took the message first, it will be applied: the push
+    returns as sent."""
+    from qps.ps.client import PSClient
+
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0))
+    await sess.variable("w", (2,), np.float64, initializer="zeros").create()
+    gl = GradientList(sess.client, C, 0)
+    await control.mark_finished(sess.client, C)
+    with pytest.raises(CancelledError, match="finished"):
+        await sess.push({"w": np.ones(2)}, step=0)
+    assert await _items(sess.client, gl.key) == [WAKE]  # the shard's wake-up alone
+    taken: list[object] = []
+    real = PSClient._withdrawn
+
+    async def shard_first(self: PSClient, g: GradientList, payload: bytes) -> bool:
+        consumer = await _owner(await job.make_client(), 5)
+        while not taken:  # the wake-up (dropped), then the message
+            taken.extend(await consumer.take_many(5, 1))
+        return await real(self, g, payload)
+
+    monkeypatch.setattr(PSClient, "_withdrawn", shard_first)
+    ids = await sess.push({"w": np.ones(2)}, step=1)
+    assert list(ids) == [0] and len(taken) == 1
+    assert decode_message(bytes(taken[0].value)).id == ids[0]  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from qps.errors import UnavailableError
 from qps.optimizers import SGD, Adam, Optimizer
 from qps.ps import control
 from qps.ps import shard as shard_module
+from qps.ps.gradlist import gradient_list_key
 from qps.ps.shard import Shard, ShardOptions
 from qps.variables import Variable
 from tests.conftest import ClientFactory, cancel_all, until
@@ -69,6 +70,25 @@ async def _setup(client: qps.Client, opt: Optimizer) -> None:
         await s.variable("w", (6,), np.float64, initializer="zeros").create()
         await s.variable("emb", (ROWS, 3), np.float64, initializer="zeros").create()
     await control.place_variables(client, C, ["w", "emb"])
+
+
+@pytest.fixture(params=["queue", "list"])
+def channel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the gradients travel: the shard's gradient queue (as on a Redis Cluster) or
+    its gradient list (a single server's; qps.ps.gradlist)."""
+    if request.param == "queue":
+        request.getfixturevalue("queue_path")
+    elif request.node.callspec.params.get("make_client") == "cluster":
+        pytest.skip("the gradient list serves a single server")
+    return str(request.param)
+
+
+async def _waiting(client: qps.Client, channel: str) -> int:
+    """Messages waiting for the shard on ``channel``."""
+    if channel == "queue":
+        return await control.gradient_queue(client, C, 0, 64).size()
+    waiting = await client.commands.lrange(gradient_list_key(C, 0), 0, -1)
+    return len([m for m in waiting if m])  # not the wake-up `mark_finished` pushes
 
 
 async def _push_all(client: qps.Client) -> None:
@@ -150,7 +170,7 @@ async def test_slow_commits_keep_groups_open_longer(
 
 @pytest.mark.no_cluster(reason="commits go at once on a single server (keys of many slots)")
 async def test_commits_sent_at_once_survive_a_flushed_script_cache(
-    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, queue_path: None
 ) -> None:
     """Small dense commits go in one round trip, their scripts by SHA: after SCRIPT FLUSH
     (a restarted server forgets its scripts) they come back NOSCRIPT, did not run, and
@@ -162,7 +182,8 @@ async def test_commits_sent_at_once_survive_a_flushed_script_cache(
     calls: list[int] = []
 
     async def flushing(self: qps.Client, commands: Any) -> list[Any]:
-        calls.append(len(commands))
+        if not any("glist" in str(x) for c in commands for x in c):  # the list reader's
+            calls.append(len(commands))
         if len(calls) in (1, 3):  # the scripts are gone before these batches
             await self.commands.script_flush()
         return await real(self, commands)
@@ -222,7 +243,7 @@ async def _both(refused: list[str]) -> bool:
 
 @pytest.mark.parametrize("max_group", [64, 4])
 async def test_a_failed_group_commit_leaves_nothing_applied(
-    client: qps.Client, monkeypatch: pytest.MonkeyPatch, max_group: int
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, max_group: int, channel: str
 ) -> None:
     """The commit of the first variable fails after the group was applied in memory:
     the state in Redis is unchanged, the messages go back, the next run applies them.
@@ -252,7 +273,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     for name in ("w", "emb"):
         st = await (await qps.variables.open_variable(client, name, C)).read_state()
         assert st.version == 0 and not st.value.any()
-    assert await control.gradient_queue(client, C, 0, 64).size() == N  # all back, in order
+    assert await _waiting(client, channel) == N  # all back, in order
     monkeypatch.setattr(Shard, "_commit", real)
     monkeypatch.setattr(Shard, "_commit_at_once", real_at_once)
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
@@ -262,7 +283,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
 
 
 async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
-    client: qps.Client, monkeypatch: pytest.MonkeyPatch
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, channel: str
 ) -> None:
     """Every variable committed the group, then the ack failed: the messages come
     back and are all skipped (their ids are recorded); nothing is applied twice."""
@@ -282,7 +303,7 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(first.run(), 60)
     monkeypatch.setattr(Shard, "_settle", real)
-    assert await control.gradient_queue(client, C, 0, 64).size() == N
+    assert await _waiting(client, channel) == N
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
     assert (second.applied, second.skipped) == (0, N)

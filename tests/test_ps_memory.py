@@ -120,7 +120,9 @@ async def test_the_max_message_size_is_set_once_and_checked(job: Job) -> None:
         await qps.ps.configure(sess.client, "fourth", 1, max_message_bytes=2048)
 
 
-async def test_the_worker_refuses_an_oversize_message_and_sends_nothing(job: Job) -> None:
+async def test_the_worker_refuses_an_oversize_message_and_sends_nothing(
+    job: Job, queue_path: None
+) -> None:
     sess = await job.session()
     await _setup(sess, max_message_bytes=64 << 10)
     assert await control.gradient_queue(sess.client, C, 0).size() == 0  # it exists
@@ -229,7 +231,9 @@ def _row(output: str) -> dict[str, str]:
     return dict(zip(header[::-1], lines[2].split()[::-1]))  # STATE may hold a space
 
 
-async def test_status_shows_the_bytes_held(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_status_shows_the_bytes_held(
+    job: Job, monkeypatch: pytest.MonkeyPatch, queue_path: None
+) -> None:
     sess = await job.session()
     await _setup(sess)
     monkeypatch.setattr(qps.cli.ps, "connected", _cli_connected(sess.client))

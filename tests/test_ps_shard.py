@@ -325,7 +325,7 @@ async def test_a_zombie_cannot_write_after_a_new_owner_fenced(job: Job) -> None:
 
 
 async def test_a_shard_behind_takes_what_waits_in_one_delivery(
-    job: Job, monkeypatch: pytest.MonkeyPatch
+    job: Job, monkeypatch: pytest.MonkeyPatch, queue_path: None
 ) -> None:
     """Messages that piled up before the shard started come in deliveries of several
     (one attempt each, settled once): every one is applied exactly once, in order, and
@@ -481,7 +481,7 @@ async def test_staleness_per_worker(job: Job) -> None:
 
 
 async def test_a_push_undone_during_a_partition_is_sent_again(
-    job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, queue_path: None
 ) -> None:
     """A push waiting on a full queue whose lease runs out (its process cut off from
     Redis, tests/test_multihost.py) is undone by Redis; the push sends the same message
@@ -672,7 +672,9 @@ async def test_a_live_holder_is_not_taken_over(job: Job, caplog: pytest.LogCaptu
     assert await asyncio.wait_for(task, 10) == "stopped"
 
 
-async def test_deliveries_a_dead_owner_held_are_applied_before_finishing(job: Job) -> None:
+async def test_deliveries_a_dead_owner_held_are_applied_before_finishing(
+    job: Job, queue_path: None
+) -> None:
     """A shard that died holding messages it had taken (read ahead, never acked): its
     successor puts them back and applies them, even when the job is already marked
     finished and the queue looks empty (it used to exit 'finished' and lose them)."""

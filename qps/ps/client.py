@@ -30,10 +30,10 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.ps import control
-from qps.ps.gradlist import LIST_MAX_BYTES, GradientList
+from qps.ps.gradlist import LIST_MAX_BYTES, GradientList, credit_key
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
-from qps.transport import Client
+from qps.transport import Client, map_errors
 from qps.variables import (
     ReadPlan,
     Variable,
@@ -49,6 +49,9 @@ log = logging.getLogger("qps.ps")
 
 #: how often a push sends a message whose enqueue was undone (see PSClient._send)
 PUSH_TRIES = 3
+#: how long a push blocked for a credit waits in Redis before it checks that the job
+#: is not finished (then waits again)
+CREDIT_WAIT_SECONDS = 1.0
 
 
 def default_worker() -> str:
@@ -96,8 +99,11 @@ class PSClient:
         self._capacity = control.GRADIENT_QUEUE_CAPACITY
         self._max_bytes = control.DEFAULT_MAX_MESSAGE_BYTES
         self._queues: dict[int, FIFOQueue] = {}
-        self._sync = False  # the job trains synchronously (pushes go to GradientLists)
+        self._sync = False  # the job trains synchronously
         self._lists: dict[int, GradientList] = {}
+        #: asynchronous training on the gradient lists: per shard, the messages sent and
+        #: not yet settled by the shard as far as this client knows (credits not back)
+        self._unsettled: dict[int, int] = {}
 
     # -- variables -------------------------------------------------------------------------
     async def variable(self, v: Any) -> Variable:
@@ -362,12 +368,12 @@ class PSClient:
         in all). ``then``: read commands run right after it (their replies go to
         ``then_out``); ``blocking`` ones only with the first try.
 
-        Synchronous training on a single server pushes a message of up to
-        :data:`~qps.ps.gradlist.LIST_MAX_BYTES` onto the shard's
-        :class:`~qps.ps.gradlist.GradientList` instead: one ``RPUSH`` in the round trip
-        of ``then`` (the token's wait and the next pull). A larger one goes through the
-        queue, in chunks (DESIGN.md §4.5); the shard reads both."""
-        if self._sync and not self.client.cluster and len(payload) <= LIST_MAX_BYTES:
+        On a single server a message of up to :data:`~qps.ps.gradlist.LIST_MAX_BYTES`
+        goes onto the shard's :class:`~qps.ps.gradlist.GradientList` instead: one
+        ``RPUSH`` in the round trip of ``then`` (the next pull; synchronous training:
+        the token's wait and the next pull). A larger one goes through the queue, in
+        chunks (DESIGN.md §4.5); the shard reads both."""
+        if not self.client.cluster and len(payload) <= LIST_MAX_BYTES:
             return await self._send_list(shard, payload, then, then_out, blocking)
         for attempt in range(1, PUSH_TRIES + 1):
             try:
@@ -394,25 +400,75 @@ class PSClient:
         blocking: bool,
     ) -> None:
         """:meth:`_send` onto ``shard``'s gradient list, with the job's finished mark
-        read in the same round trip (a push after the end raises CancelledError, as a
-        push onto the closed queue does; the message is left in the list)."""
+        read in the same round trip: a push after the end raises CancelledError, as a
+        push onto the closed queue does, and takes its message back, unless the shard
+        took it first (then it is applied, and the push returns as sent).
+
+        Asynchronous training: a push that would leave more than the job's
+        ``queue_capacity`` messages of this client unsettled on the shard first waits,
+        blocked in Redis, for the shard to give a credit back; each push picks up the
+        credits that came back meanwhile (qps.ps.gradlist)."""
         gl = self._lists.get(shard)
         if gl is None:
             gl = self._lists[shard] = GradientList(self.client, self.container, shard)
         lead = [("EXISTS", keys.ps_finished(self.container)), gl.push_command(payload)]
+        credits = None
+        if not self._sync:
+            credits = credit_key(self.container, shard, self.worker)
+            if self._unsettled.get(shard, 0) >= self._capacity:
+                await self._wait_credit(shard, credits)
+            lead.append(("LPOP", credits, self._capacity))
         replies = None
         if blocking and then:  # on a connection of its own: the token's wait blocks
             replies = await self.client.write_commands([*lead, *then])
         ran = replies is not None or not blocking
         if replies is None:  # no blocking commands, or no lean connection (fakeredis)
             replies = await self.client.run_commands_replies([*lead, *(() if blocking else then)])
-        for r in replies[:2]:
+        for r in replies[: len(lead)]:
             if isinstance(r, BaseException):
                 raise r
+        if credits is not None:
+            back = replies[2]
+            self._unsettled[shard] = max(0, self._unsettled.get(shard, 0) + 1 - len(back or ()))
         if then and ran and then_out is not None:  # (another shard's send may fill it)
-            then_out[:] = replies[2:]
-        if int(replies[0]):
+            then_out[:] = replies[len(lead) :]
+        if int(replies[0]) and await self._withdrawn(gl, payload):
             raise CancelledError(f"the PS job of container '{self.container}' is finished")
+
+    async def _withdrawn(self, gl: GradientList, payload: bytes) -> bool:
+        """Take back a message pushed after the job was marked finished: True if it was
+        still waiting (nothing was sent); False if the shard took it already (it is
+        applied as it drains its list: the push counts as sent)."""
+        with map_errors():
+            return bool(await self.client.commands.lrem(gl.key, 1, payload))  # type: ignore[arg-type]
+
+    async def _wait_credit(self, shard: int, key: str) -> None:
+        """Block until shard ``shard`` gives this client a credit back (it settled one
+        of its messages); take the others that came with it.
+
+        Raises:
+            CancelledError: the job is finished (no credit will come).
+        """
+        finished = keys.ps_finished(self.container)
+        while True:
+            wait = [("BLPOP", key, CREDIT_WAIT_SECONDS), ("LPOP", key, self._capacity)]
+            replies = await self.client.write_commands(wait)
+            if replies is None:  # no lean connection (fakeredis)
+                with map_errors():
+                    one = await self.client.commands.blpop([key], CREDIT_WAIT_SECONDS)
+                    rest = await self.client.commands.lpop(key, self._capacity)
+                replies = [one, rest]
+            for r in replies:
+                if isinstance(r, BaseException):
+                    raise r
+            got = int(replies[0] is not None) + len(replies[1] or ())
+            if got:
+                self._unsettled[shard] = max(0, self._unsettled.get(shard, 0) - got)
+                return
+            with map_errors():
+                done = int(await self.client.commands.exists(finished))
+            if done:
+                raise CancelledError(f"the PS job of container '{self.container}' is finished")
 
     async def global_step(self) -> int:
         """TF's ``global_step``: worker steps applied so far (advanced by shard 0 once

@@ -27,7 +27,7 @@ from qps.errors import (
 )
 from qps.optimizers import Optimizer
 from qps.optimizers import from_spec as optimizer_from_spec
-from qps.ps.gradlist import WAKE, gradient_list_key
+from qps.ps.gradlist import WAKE, gradient_list_key, list_bytes
 from qps.queues import FIFOQueue
 from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
@@ -331,7 +331,7 @@ async def mark_finished(client: Client, container: str) -> int:
         if not await q.is_closed():
             await q.close()
             closed += 1
-    if cfg.sync is not None and not client.cluster:  # wake shards blocked on their lists
+    if not client.cluster:  # wake shards blocked on their gradient lists
         with map_errors():
             await client.run_commands(
                 [("RPUSH", gradient_list_key(container, s), WAKE) for s in range(cfg.num_shards)]
@@ -385,10 +385,10 @@ class ShardStatus:
             ``rows``: rows updated; ``bytes``: gradient bytes applied;
             ``dead_letters``: messages refused (see the shard's dead-letter list).
         variables: variables the shard owns.
-        queue_size: messages waiting in its gradient queue.
+        queue_size: messages waiting in its gradient queue and gradient list.
         staleness: worker -> bucketed histogram {staleness: messages}.
         fields: the raw stats hash.
-        queue_bytes: bytes of the messages waiting in its gradient queue (in Redis);
+        queue_bytes: bytes of the messages waiting in its gradient queue and list (in Redis);
             ``pending_bytes``: bytes of the pushes blocked on the full queue (also in
             Redis, waiting to get in); None if the queue could not be read.
         held_bytes: bytes of the messages the shard process holds: read ahead and in
@@ -493,6 +493,8 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
             qbytes, pbytes = await list_queue_bytes(
                 client, keys.ps_gradient_queue(shard), container
             )
+            if not client.cluster:
+                qbytes += await list_bytes(client, container, shard)
         except QpsError:
             qbytes = pbytes = None
     state = f.get("state", "never started")

@@ -1,4 +1,4 @@
-"""The lean gradient channel of synchronous training on a single server.
+"""The lean gradient channel of training on a single server.
 
 In synchronous training a worker pushes one gradient per update and then blocks on its
 token: the token gates it, so its gradients need no queue capacity, no waiting pushes
@@ -24,15 +24,27 @@ to the shard, and a plain Redis list gives that with one command each way (DESIG
   its token: an owner that lost the lease cannot pop what a successor depends on.
 
 ``mark_finished`` pushes an empty element (never a message) to wake a shard blocked on
-the list. Everything else (asynchronous training, Redis Cluster) goes through the
-gradient queue (:func:`qps.ps.control.gradient_queue`),
-which a shard in synchronous mode reads as well, and so do messages over
-:data:`LIST_MAX_BYTES`, which the queue moves in chunks.
+the list.
+
+Asynchronous training uses the list too, with flow control in place of the queue's
+capacity: a worker may have at most ``window`` (the job's ``queue_capacity``) messages
+on a shard that the shard has not settled (applied, skipped as applied before, or
+dead-lettered). The shard gives one **credit** back per settled message, an element
+``RPUSH``ed onto ``<S>glist:credit:<worker>`` in its ack's round trip; a worker picks
+up what credits came back with ``LPOP ... COUNT`` in each push's round trip, and blocks
+in ``BLPOP`` on that list (woken the moment the shard settles one of its messages)
+before a push that would exceed its window. A shard that falls behind takes what
+waits in one round trip of ``LMOVE``s (:meth:`GradientList.take_many`).
+
+Redis Cluster (where the shard's keys and the workers' pipelines would span slots)
+goes through the gradient queue (:func:`qps.ps.control.gradient_queue`), which every
+shard reads as well, and so do messages over :data:`LIST_MAX_BYTES`, which the queue
+moves in chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +53,15 @@ from qps import keys
 from qps.queues.base import Delivery
 from qps.transport import Client, is_noscript, map_errors
 
-__all__ = ["LIST_MAX_BYTES", "WAKE", "GradientList", "gradient_list_key", "is_list_delivery"]
+__all__ = [
+    "LIST_MAX_BYTES",
+    "WAKE",
+    "GradientList",
+    "credit_key",
+    "gradient_list_key",
+    "is_list_delivery",
+    "list_bytes",
+]
 
 #: the largest message pushed onto the list; a larger one goes through the gradient
 #: queue, which moves it in chunks (the queue's own limit for an element kept inline)
@@ -81,9 +101,43 @@ return n
 """
 
 
+# KEYS: the list. The bytes of its elements (for status commands: it reads them all).
+_BYTES = """
+local n = 0
+for _, v in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do n = n + #v end
+return n
+"""
+
+
+async def list_bytes(client: Client, container: str, shard: int) -> int:
+    """The bytes of the messages waiting in shard ``shard``'s gradient list (one script
+    that reads them all: for status commands, not hot paths)."""
+    with map_errors():
+        script = client.commands.register_script(_BYTES)
+        return int(await script(keys=[gradient_list_key(container, shard)]))
+
+
 def gradient_list_key(container: str, shard: int) -> str:
     """The list of shard ``shard``'s pushed gradient messages."""
     return keys.ps_prefix(container, shard) + "glist"
+
+
+def credit_key(container: str, shard: int, worker: str) -> str:
+    """The list of credits shard ``shard`` gives worker ``worker`` back (asynchronous
+    training: one element per settled message)."""
+    return gradient_list_key(container, shard) + ":credit:" + worker
+
+
+def credit_commands(
+    container: str, credits: Mapping[str, int], shard: int
+) -> list[tuple[Any, ...]]:
+    """The ``RPUSH``es that give each worker of ``credits`` (worker -> count) its
+    credits back on ``shard``."""
+    return [
+        ("RPUSH", credit_key(container, shard, w), *([b"1"] * n))
+        for w, n in sorted(credits.items())
+        if n > 0
+    ]
 
 
 def is_list_delivery(d: Delivery) -> bool:
@@ -108,6 +162,8 @@ class GradientList:
         self._taken = 0  # elements moved into the processing list by this owner
         self._popped = 0  # of them, popped from its front
         self._acked: set[int] = set()  # acknowledged out of order: tombstones in place
+        #: messages waiting in the list after the last :meth:`take_many` (its LLEN)
+        self.waiting = 0
 
     # -- the worker's side ---------------------------------------------------------------
     def push_command(self, payload: Any) -> tuple[Any, ...]:
@@ -121,7 +177,7 @@ class GradientList:
         the other processing lists hold. Returns how many messages were put back."""
         self.proc = f"{self.key}:proc:{int(token)}"
         self._lease, self._token = lease_key, int(token)
-        self._taken = self._popped = 0
+        self._taken = self._popped = self.waiting = 0
         self._acked.clear()
         with map_errors():
             await self.client.commands.sadd(self.procs, self.proc)
@@ -182,14 +238,58 @@ class GradientList:
                 raise got
         if got is None:
             return None
-        seq = self._taken
-        self._taken += 1
-        data = got.encode() if isinstance(got, str) else got
-        d = Delivery(np.frombuffer(data, np.uint8), (f"{_TAG}{seq}",), True)
-        if not len(data):  # a wake-up: done with it
+        d = self._delivery(got)
+        if not len(d.value):  # a wake-up: done with it
             await self.ack([d])
             return None
         return d
+
+    async def take_many(self, room: int, timeout: float) -> list[Delivery]:
+        """Up to ``room`` messages moved into the processing list, in order, with the
+        list's length after them read in the same round trip (:attr:`waiting`). With
+        none known to wait, block up to ``timeout`` seconds for the first (an empty
+        list: none came, or :data:`WAKE` did). A failure leaves the processing list
+        unknown at its end: the caller stops and :meth:`give_back`."""
+        assert self.proc is not None, "open() first"
+        move = ("LMOVE", self.key, self.proc, "LEFT", "RIGHT")
+        if self.waiting > 0:
+            n = max(1, min(room, self.waiting))
+            replies = await self.client.run_commands_replies([*([move] * n), ("LLEN", self.key)])
+        else:
+            wait = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", timeout)
+            got = await self.client.write_commands([wait, ("LLEN", self.key)])
+            if got is None:  # no lean connection (fakeredis)
+                with map_errors():
+                    one = await self.client.commands.blmove(
+                        self.key,
+                        self.proc,
+                        timeout,  # type: ignore[arg-type]
+                        "LEFT",
+                        "RIGHT",
+                    )
+                    got = [one, await self.client.commands.llen(self.key)]
+            replies = got
+        for r in replies:
+            if isinstance(r, BaseException):
+                raise r
+        self.waiting = int(replies[-1])
+        out: list[Delivery] = []
+        wakes: list[Delivery] = []
+        for got in replies[:-1]:
+            if got is None:  # gone meanwhile (given back to another owner): none left
+                continue
+            d = self._delivery(got)
+            (out if len(d.value) else wakes).append(d)
+        if wakes:  # done with them
+            await self.ack(wakes)
+        return out
+
+    def _delivery(self, got: Any) -> Delivery:
+        """The next message moved into the processing list, as a delivery of its own."""
+        seq = self._taken
+        self._taken += 1
+        data = got.encode() if isinstance(got, str) else got
+        return Delivery(np.frombuffer(data, np.uint8), (f"{_TAG}{seq}",), True)
 
     async def ack(self, ds: Sequence[Delivery], after: Sequence[Sequence[Any]] = ()) -> bool:
         """Done with deliveries ``ds`` (of :meth:`take`): the processing list's front
@@ -241,6 +341,7 @@ class GradientList:
             n = int(await self._give_back_script(keys=[self.proc, self.key], args=[TOMBSTONE]))
         self._popped = self._taken
         self._acked.clear()
+        self.waiting = 0
         return n
 
     async def close(self) -> None:

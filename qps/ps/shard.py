@@ -79,7 +79,7 @@ from qps.errors import (
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
-from qps.ps.gradlist import GradientList, is_list_delivery
+from qps.ps.gradlist import GradientList, credit_commands, is_list_delivery
 from qps.ps.messages import (
     GradientMessage,
     SparseGradient,
@@ -525,9 +525,12 @@ class Shard:
         self._stop = asyncio.Event()
         self._lost: str | None = None
         self._queue: QueueBase | None = None
-        #: synchronous training on a single server: the lean channel workers push to
+        #: training on a single server: the lean channel workers push to
         #: (qps.ps.gradlist), read alongside the queue
         self._list: GradientList | None = None
+        #: asynchronous training: the worker of each delivery taken from the list (by
+        #: its tokens), who gets a credit back when it is settled
+        self._senders: dict[tuple[str, ...], str] = {}
         self._lease_script = client.commands.register_script(_LEASE)
         self._step_script = client.commands.register_script(_COUNT_STEPS)
         self._tokens_script = client.commands.register_script(_TOKENS_IF_COMMITTED)
@@ -561,6 +564,7 @@ class Shard:
         #: the reader's take under way was sent while elements waited behind its last
         #: one: they are on their way to the inbox (a group waits for them)
         self._incoming = False
+        self._list_incoming = False  # the same, for the gradient list's reader
         self._acc = _Accum()
         #: synchronous training: the last update's tokens and ack, while under way
         self._settling: asyncio.Future[Any] | None = None
@@ -607,7 +611,7 @@ class Shard:
         self._queue = control.gradient_queue(
             self.client, self.container, self.shard, cfg.queue_capacity
         )
-        if self.sync is not None and not self.client.cluster:
+        if not self.client.cluster:
             self._list = GradientList(self.client, self.container, self.shard)
         if await self._finished_and_drained():
             self.log.info("the job is finished and my queue is drained: nothing to do")
@@ -915,6 +919,7 @@ class Shard:
                 await self._settle(q, left, ack=False)
             if self._list is not None:  # all it holds, a take cut short included
                 await _quietly(self._list.close())
+            self._senders.clear()  # given back: their next owner gives the credits
             self._inbox = None
 
     async def _fetch(self, q: QueueBase, inbox: _Inbox) -> None:
@@ -983,24 +988,41 @@ class Shard:
         return item
 
     async def _fetch_list(self, gl: GradientList, inbox: _Inbox) -> None:
-        """The reader of the gradient list (synchronous training): take each message into
-        the processing list, decode it and put it in the inbox; done once the job is
-        finished and the list is empty."""
+        """The reader of the gradient list: take messages into the processing list,
+        decode them and put them in the inbox; done once the job is finished and the
+        list is empty. Synchronous training takes one at a time; asynchronous training
+        takes what waits (up to the inbox's room) in one round trip, and records who
+        sent each message, for its credit (module docstring of qps.ps.gradlist)."""
+        each = 0
         try:
             while True:
                 if not await self._until_room(inbox):
                     return
-                d = await gl.take(BLOCK_SECONDS)
-                if d is None:  # a wake-up, or a while without messages
+                if self.sync is not None:
+                    one = await gl.take(BLOCK_SECONDS)
+                    taken = [] if one is None else [one]
+                else:
+                    self._list_incoming = gl.waiting > 0
+                    try:
+                        taken = await gl.take_many(inbox.room(each), BLOCK_SECONDS)
+                    finally:
+                        self._list_incoming = False
+                if not taken:  # a wake-up, or a while without messages
                     finished = await control.is_finished(self.client, self.container)
                     if finished and not await gl.size():
                         inbox.finish()
                         return
                     continue
-                self._held.append(d)
-                item = self._item(d, d.value, False)
-                self._sizes[d.tokens] = item.nbytes
-                inbox.put(item)
+                for d in taken:
+                    self._held.append(d)
+                    item = self._item(d, d.value, False)
+                    self._sizes[d.tokens] = item.nbytes
+                    each = max(each, item.nbytes)
+                    if self.sync is None:
+                        about = item.msg if item.msg is not None else item.about
+                        if about is not None:
+                            self._senders[d.tokens] = about.worker
+                    inbox.put(item)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the loop, which raises it
@@ -1049,6 +1071,13 @@ class Shard:
         popped = True
         if listed:
             assert self._list is not None
+            credits: dict[str, int] = {}
+            for d in listed:
+                sender = self._senders.pop(d.tokens, None)
+                if sender is not None:  # asynchronous training: one credit back each
+                    credits[sender] = credits.get(sender, 0) + 1
+            if credits:
+                after = [*after, *credit_commands(self.container, credits, self.shard)]
             popped = await self._list.ack(listed, after=after)
             after = []
             if not popped:  # the lease is another owner's: it gives them back
@@ -1103,7 +1132,7 @@ class Shard:
                 if inbox.done or inbox.error is not None:
                     break
                 # nothing is coming (none on its way, none queued): commit now
-                if not self._incoming and not await q.size():
+                if not (self._incoming or self._list_incoming) and not await self._queued(q):
                     break
                 await inbox.until(more, left)
                 if not inbox.items:
@@ -1141,6 +1170,16 @@ class Shard:
             return
         self._suspect.difference_update(g.ids)
         await self._released(g)
+
+    async def _queued(self, q: QueueBase) -> int:
+        """Messages waiting to be taken: in the queue, and in the gradient list (asked
+        in one round trip)."""
+        if self._list is None:
+            return await q.size()
+        commands = [("LLEN", self._list.key), *q.size_commands()]
+        replies = await self.client.run_commands(commands)
+        size = q.size_of(replies[1:])
+        return int(replies[0]) + (await q.size() if size is None else size)
 
     def _drop_payloads(self, g: _Group) -> None:
         """Let go of the bytes of the group's deliveries, applied or dead-lettered by
