@@ -173,6 +173,16 @@ class _Batch:
         self.replies: list[Any] = []
 
 
+class _EachReply(_Batch):
+    """One command of :meth:`Connection.call_each`: a batch of one whose future gets the
+    reply itself, an error reply included, rather than a list."""
+
+    __slots__ = ()
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        super().__init__(future, 1)
+
+
 class Connection(asyncio.Protocol):
     """One RESP2 connection; build it with :func:`open_connection`.
 
@@ -229,6 +239,9 @@ class Connection(asyncio.Protocol):
                     entry.left -= 1
                     if not entry.left and not entry.future.done():
                         entry.future.set_result(entry.replies)
+                elif entry.__class__ is _EachReply:
+                    if not entry.future.done():
+                        entry.future.set_result(reply)
                 elif not entry.done():  # done: its caller was cancelled
                     if reply.__class__ is ReplyError:
                         entry.set_exception(reply)
@@ -272,7 +285,7 @@ class Connection(asyncio.Protocol):
         self._failure = why
         waiting, self._waiting = self._waiting, collections.deque()
         for entry in waiting:
-            fut = entry.future if entry.__class__ is _Batch else entry
+            fut = entry.future if isinstance(entry, _Batch) else entry
             if not fut.done():
                 fut.set_exception(UnavailableError(why))
         waiters, self._drain_waiters = self._drain_waiters, []
@@ -357,6 +370,34 @@ class Connection(asyncio.Protocol):
     async def _drain_then(self, fut: asyncio.Future[Any]) -> Any:
         await self._drain(fut)
         return await fut
+
+    def call_each(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
+        """Send several commands in one write; return a future per command, each
+        resolved with its own reply as it arrives (a blocking command's reply comes when
+        it unblocks; the ones before it are usable at once). An error reply is set as
+        that future's result, a :class:`ReplyError`, not raised. A future cancelled
+        before its reply drops the reply when it comes.
+
+        Raises:
+            UnavailableError: the connection is down.
+            TypeError: an argument of a type Redis commands cannot carry.
+        """
+        if self._failure is not None:
+            raise self._error()
+        parts: list[bytes | memoryview] = []
+        for command in commands:
+            data = _pack(tuple(command))
+            if isinstance(data, bytes):
+                parts.append(data)
+            else:
+                parts.extend(data)
+        futures = [_EachReply(self._new_future()) for _ in commands]
+        if all(type(p) is bytes for p in parts):
+            self._write(b"".join(parts))
+        else:
+            self._write(parts)
+        self._waiting.extend(futures)
+        return [f.future for f in futures]
 
     async def call_many(self, commands: Iterable[Sequence[Any]]) -> list[Any]:
         """Send several commands in one write; return their replies in order. An error

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -402,6 +403,47 @@ class Client:
         if conn is None:
             return None
         return [_error_in_place(r) for r in await self._exchange(conn, commands)]
+
+    async def send_each(
+        self, commands: Sequence[Sequence[Any]]
+    ) -> list[asyncio.Future[Any]] | None:
+        """Send ``commands`` (blocking ones among them) in one write on a lean connection
+        of their own and return a future per command, resolved with its reply (an
+        error reply as an :class:`InternalError` result, not raised) as it arrives: the
+        caller uses each reply while the later commands still wait in Redis. The
+        connection is reused once every reply came; cancel the futures not awaited
+        (the connection is then closed: a blocked command may still run). None when this
+        client has no lean connections (fakeredis, or closed).
+
+        Raises:
+            UnavailableError: the server cannot be reached.
+        """
+        conn = await self._waiter_connection()
+        if conn is None:
+            return None
+        try:
+            futures = conn.call_each(commands)
+        except TypeError as exc:
+            conn.close()
+            raise InternalError(f"unexpected Redis error: {exc}") from exc
+        self._busy.add(conn)
+        out: list[asyncio.Future[Any]] = []
+        for fut in futures:
+            mapped: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(functools.partial(_settle_each, mapped))
+            mapped.add_done_callback(functools.partial(_abandon, fut))
+            out.append(mapped)
+
+        def finished(last: asyncio.Future[Any]) -> None:
+            self._busy.discard(conn)
+            ok = not last.cancelled() and last.exception() is None
+            if ok and self._endpoint is not None and not conn.closed:
+                self._idle.append(conn)
+            else:
+                conn.close()
+
+        futures[-1].add_done_callback(finished)
+        return out
 
     async def _exchange(
         self, conn: resp.Connection, commands: Sequence[Sequence[Any]]
@@ -998,6 +1040,24 @@ def _after_lead(got: list[Any], n: int) -> tuple[Any, list[Any]]:
     return got[n], got[n + 1 :]
 
 
+def _settle_each(mapped: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
+    """Pass a :meth:`Client.send_each` reply on: an error reply as a QpsError result."""
+    if mapped.done():
+        return
+    if fut.cancelled():
+        mapped.cancel()
+    elif (exc := fut.exception()) is not None:
+        mapped.set_exception(exc)
+    else:
+        mapped.set_result(_error_in_place(fut.result()))
+
+
+def _abandon(fut: asyncio.Future[Any], mapped: asyncio.Future[Any]) -> None:
+    """A :meth:`Client.send_each` future cancelled by its caller: drop the reply."""
+    if mapped.cancelled() and not fut.done():
+        fut.cancel()
+
+
 async def _call_many(conn: resp.Connection, commands: Sequence[Sequence[Any]]) -> list[Any]:
     """``conn.call_many(commands)``; an argument it cannot send (a TypeError, redis-py's
     DataError) is an :class:`InternalError`, as on redis-py's path."""
@@ -1311,6 +1371,12 @@ class ClusterClient(Client):
                 raise
             await self._refresh()
             return None  # the caller reads through redis-py, which follows redirections
+
+    async def send_each(
+        self, commands: Sequence[Sequence[Any]]
+    ) -> list[asyncio.Future[Any]] | None:
+        """None: a cluster's callers wait another way (see :meth:`Client.send_each`)."""
+        return None
 
     async def write_commands(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
         """:meth:`Client.write_commands` on the node of the first command's key (every

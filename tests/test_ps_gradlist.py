@@ -122,7 +122,9 @@ async def test_a_new_owner_puts_back_what_earlier_owners_hold_and_they_cannot_po
     # both earlier lists go back, the oldest owner's messages first
     assert await _items(client, third.key) == [b"2", b"1", b"3", b"4", b"5"]
     assert {n.decode() for n in await client.commands.smembers(third.procs)} == {
-        first.proc, second.proc, third.proc
+        first.proc,
+        second.proc,
+        third.proc,
     }
     await third.close()  # a clean stop forgets its own name only
     assert len(await client.commands.smembers(third.procs)) == 2
@@ -415,3 +417,30 @@ async def test_a_push_after_the_end_takes_its_message_back_unless_it_was_taken(
     ids = await sess.push({"w": np.ones(2)}, step=1)
     assert list(ids) == [0] and len(taken) == 1
     assert decode_message(bytes(taken[0].value)).id == ids[0]  # type: ignore[attr-defined]
+
+
+async def test_take_each_sends_the_takes_at_once_and_yields_each_as_it_comes(
+    make_client,
+) -> None:
+    """Synchronous training's reader: an update's takes in one write. A message already
+    waiting comes at once, a later one when it is pushed (its take waited in Redis
+    meanwhile), a take with nothing to take gives None after its own timeout, and the
+    processing list holds the messages in the order they were yielded."""
+    client = await make_client()
+    gl = await _owner(client, 4)
+    await _push(client, gl, b"m0")
+    got = []
+    async for d in gl.take_each(2, 5, then=5):
+        got.append(None if d is None else bytes(d.value))
+        if len(got) == 1:  # the second take waits in Redis: push its message now
+            await _push(await make_client(), gl, b"m1")
+    assert got == [b"m0", b"m1"]
+    got = [d async for d in gl.take_each(2, 0.05, then=0.05)]
+    assert got == [None, None]
+    await _push(client, gl, WAKE, b"m2")
+    got = [None if d is None else bytes(d.value) async for d in gl.take_each(2, 1, then=1)]
+    assert got == [None, b"m2"]  # the wake-up is no message
+    assert gl.proc is not None
+    assert await _items(client, gl.proc) == [b"m0", b"m1", TOMBSTONE, b"m2"]
+    await gl.close()
+    assert await _items(client, gl.key) == [b"m0", b"m1", b"m2"]

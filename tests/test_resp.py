@@ -651,6 +651,40 @@ async def test_cancelled_waiter_connection_is_discarded(server_url: str) -> None
         await qps.queues.delete_queue(client, "waitcancel")
 
 
+async def test_send_each_gives_each_reply_as_it_comes(server_url: str) -> None:
+    """Commands sent in one write, a blocking one among them: the replies before it are
+    usable at once, its own comes when it unblocks, an error reply is a result; the
+    connection is reused after the last reply. Cancelling the futures not answered
+    closes it (a blocked command may still run)."""
+    async with await transport.connect(server_url) as client:
+        await client.commands.delete("each:l", "each:s")
+        futures = await client.send_each(
+            [
+                ("SET", "each:s", "1"),
+                ("BLPOP", "each:l", 10),
+                ("INCR", "each:s"),
+                ("HGET", "each:s", "x"),
+            ]
+        )
+        assert futures is not None and len(futures) == 4
+        assert await futures[0] in (b"OK", "OK")
+        assert not futures[1].done() and len(client._busy) == 1
+        await client.commands.rpush("each:l", "v")
+        assert await futures[1] == [b"each:l", b"v"]
+        assert await futures[2] == 2
+        assert isinstance(await futures[3], InternalError)  # WRONGTYPE, not raised
+        await until(lambda: _true(not client._busy))
+        (conn,) = client._idle
+        assert not conn.closed
+        futures = await client.send_each([("BLPOP", "each:l", 10), ("BLPOP", "each:l", 10)])
+        assert futures is not None
+        for f in futures:
+            f.cancel()
+        await until(lambda: _true(conn.closed and not client._busy))
+        assert int(await client.commands.incr("each:s")) == 3  # the client goes on
+        await client.commands.delete("each:l", "each:s")
+
+
 async def test_many_concurrent_waiters_get_their_own_connections(server_url: str) -> None:
     async with await transport.connect(server_url) as client:
         q = qps.FIFOQueue(100, np.int64, shapes=[[]], shared_name="manyw", client=client)

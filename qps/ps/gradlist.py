@@ -44,7 +44,7 @@ moves in chunks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,9 @@ __all__ = [
 #: the largest message pushed onto the list; a larger one goes through the gradient
 #: queue, which moves it in chunks (the queue's own limit for an element kept inline)
 LIST_MAX_BYTES = 1 << 20
+#: how long each take after the first of :meth:`GradientList.take_each` waits: the
+#: messages of one synchronous update come within milliseconds of each other
+FOLLOW_SECONDS = 0.1
 #: the element ``mark_finished`` pushes to wake a blocked shard (a message never is empty)
 WAKE = b""
 #: what an element acknowledged out of order is overwritten with inside a processing list
@@ -243,6 +246,44 @@ class GradientList:
             await self.ack([d])
             return None
         return d
+
+    async def take_each(
+        self, n: int, timeout: float, then: float = FOLLOW_SECONDS
+    ) -> AsyncIterator[Delivery | None]:
+        """``n`` takes sent in one write, the first blocking up to ``timeout`` seconds and
+        each of the others up to ``then`` seconds after the one before it: yields each
+        one's message as it comes, or None where none came (or :data:`WAKE` did). The
+        shard gets a message while the takes after it still wait in Redis: the next
+        message costs no round trip of its own. Leaving early cancels the takes not yet
+        answered, and a failure or a cancellation leaves the processing list unknown at
+        its end (a cancelled take may still move a message): the caller stops and
+        :meth:`give_back`. Never leave early to go on."""
+        assert self.proc is not None, "open() first"
+        first = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", timeout)
+        more = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", then)
+        futures = await self.client.send_each([first, *([more] * (n - 1))])
+        if futures is None:  # no lean connection (fakeredis): one at a time
+            for _ in range(n):
+                yield await self.take(timeout)
+            return
+        try:
+            for fut in futures:
+                got = await fut
+                if isinstance(got, BaseException):
+                    raise got
+                if got is None:
+                    yield None
+                    continue
+                d = self._delivery(got)
+                if not len(d.value):  # a wake-up: done with it
+                    await self.ack([d])
+                    yield None
+                    continue
+                yield d
+        finally:
+            for fut in futures:
+                if not fut.done():
+                    fut.cancel()
 
     async def take_many(self, room: int, timeout: float) -> list[Delivery]:
         """Up to ``room`` messages moved into the processing list, in order, with the

@@ -998,9 +998,18 @@ class Shard:
             while True:
                 if not await self._until_room(inbox):
                     return
-                if self.sync is not None:
-                    one = await gl.take(BLOCK_SECONDS)
-                    taken = [] if one is None else [one]
+                if self.sync is not None:  # an update's worth of takes, in one write
+                    taken = []
+                    wanted = max(1, min(self.sync[0], inbox.room(each)))
+                    async for one in gl.take_each(wanted, BLOCK_SECONDS):
+                        if one is not None:
+                            taken.append(one)
+                            each = max(each, self._take_in(one, inbox))
+                    if taken:
+                        # the update they complete runs first: its commit goes out
+                        # before the next takes (no gradient comes before its tokens)
+                        await asyncio.sleep(0)
+                        continue
                 else:
                     self._list_incoming = gl.waiting > 0
                     try:
@@ -1014,19 +1023,24 @@ class Shard:
                         return
                     continue
                 for d in taken:
-                    self._held.append(d)
-                    item = self._item(d, d.value, False)
-                    self._sizes[d.tokens] = item.nbytes
-                    each = max(each, item.nbytes)
-                    if self.sync is None:
-                        about = item.msg if item.msg is not None else item.about
-                        if about is not None:
-                            self._senders[d.tokens] = about.worker
-                    inbox.put(item)
+                    each = max(each, self._take_in(d, inbox))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the loop, which raises it
             inbox.fail(exc)
+
+    def _take_in(self, d: Delivery, inbox: _Inbox) -> int:
+        """Hold a delivery of the gradient list, decode it into the inbox; its bytes.
+        Asynchronous training records who sent it, for its credit."""
+        self._held.append(d)
+        item = self._item(d, d.value, False)
+        self._sizes[d.tokens] = item.nbytes
+        if self.sync is None:
+            about = item.msg if item.msg is not None else item.about
+            if about is not None:
+                self._senders[d.tokens] = about.worker
+        inbox.put(item)
+        return item.nbytes
 
     async def _touch_loop(self, q: QueueBase) -> None:
         """Renew the leases of every delivery of the queue held (taken ahead or in the
