@@ -28,6 +28,7 @@ WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
                                 [--packed both|only|no] [--backend auto|numpy|cupy]
+                                [--grad-dtype float16]
 """
 
 from __future__ import annotations
@@ -267,7 +268,9 @@ def run_raw(workload: str, url: str) -> dict[str, Any]:
 # -- qps ------------------------------------------------------------------------------------
 
 
-def run_qps(url: str, rep: int, packed: bool = False, backend: str = "") -> dict[str, Any]:
+def run_qps(
+    url: str, rep: int, packed: bool = False, backend: str = "", grad_dtype: str = ""
+) -> dict[str, Any]:
     import redis
 
     from workers import job
@@ -278,7 +281,7 @@ def run_qps(url: str, rep: int, packed: bool = False, backend: str = "") -> dict
     cfg = TrainConfig(
         num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
         model=f"packed:{MODEL}" if packed else MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
-        sync_replicas=WORKERS if SYNC else None, backend=backend,
+        sync_replicas=WORKERS if SYNC else None, backend=backend, grad_dtype=grad_dtype,
     )  # fmt: skip
 
     async def main() -> tuple[Any, dict[str, Any]]:
@@ -315,6 +318,10 @@ def main() -> None:
                     help="where the qps workers' math runs (qps worker --backend; default: "
                     "$QPS_BACKEND, else auto: CuPy on a CUDA device); raw and numpy always "
                     "use NumPy")  # fmt: skip
+    ap.add_argument("--grad-dtype", choices=["float16", "float32"], default="",
+                    help="the qps workers send gradients in this dtype (qps worker "
+                    "--grad-dtype; WORKLOADS.md's optional fp16 transfer); default: "
+                    "the variables' float32")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     packed = args.packed or ("no" if args.workload == "w5" else "both")
@@ -332,7 +339,10 @@ def main() -> None:
             got["numpy"].append(run_numpy())
             got["raw"].append(measured(run_raw, args.workload, server.url))
             for k in impls:
-                got[k].append(measured(run_qps, server.url, rep, k == "qps packed", args.backend))
+                got[k].append(
+                    measured(run_qps, server.url, rep, k == "qps packed", args.backend,
+                             args.grad_dtype)
+                )  # fmt: skip
             print(f"rep {rep}: " + ", ".join(
                 f"{k} {STEPS * WORKERS * BATCH / v[-1]['seconds']:,.0f} ex/s "
                 f"(acc {v[-1]['accuracy']:.3f})" for k, v in got.items()
@@ -347,6 +357,7 @@ def main() -> None:
     print(f"\n- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"- OPENBLAS_NUM_THREADS: {os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print(f"- qps workers' backend: {args.backend or os.environ.get('QPS_BACKEND') or 'auto'}")
+    print(f"- qps gradients sent as: {args.grad_dtype or 'float32, the variables dtype'}")
     print(f"- repetitions: {args.reps}, medians; {where['server']}, {where['transport']}\n")
     steps = STEPS * WORKERS
     p_bytes = sum(4 * (i * o + o) for i, o in SIZES)  # float32 weights and biases

@@ -18,6 +18,8 @@ from qps.ps.messages import (
     decode_message,
     encode_message,
     is_finite,
+    narrower,
+    widen,
 )
 from qps.varspec import VariableSpec
 
@@ -171,6 +173,35 @@ def test_check_gradient_sparse_ok() -> None:
 def test_check_gradient_errors(grad, text) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidArgumentError, match=text):
         check_gradient("w", SPEC, grad)
+
+
+def test_a_narrower_float_gradient_is_taken_as_it_is_and_widened_exactly() -> None:
+    """float16 for a float32 variable (and float16/float32 for float64): compressed on
+    purpose, kept as sent; widen() gives the variable's dtype, every value exact. A
+    wider float, an int, or a narrower one for a float16 variable is still refused."""
+    rng = np.random.default_rng(3)
+    half = rng.standard_normal((4, 3)).astype(np.float16)
+    g = check_gradient("w", SPEC, half)
+    assert isinstance(g, np.ndarray) and g.dtype == np.float16
+    wide = widen(g, SPEC)
+    assert wide.dtype == np.float32 and np.array_equal(wide, half.astype(np.float32))
+    rows = check_gradient("w", SPEC, ([1, 3], half[:2]))
+    assert isinstance(rows, SparseGradient) and rows.values.dtype == np.float16
+    wrows = widen(rows, SPEC)
+    assert isinstance(wrows, SparseGradient) and wrows.values.dtype == np.float32
+    assert wrows.indices.tolist() == [1, 3]
+    f64 = VariableSpec(np.dtype(np.float64), (4, 3))
+    for narrow in (np.float16, np.float32):
+        assert widen(check_gradient("d", f64, half.astype(narrow)), f64).dtype == np.float64
+    f16 = VariableSpec(np.dtype(np.float16), (4, 3))
+    assert widen(check_gradient("h", f16, half), f16) is not None
+    with pytest.raises(InvalidArgumentError, match="is float32, the variable float16"):
+        check_gradient("h", f16, half.astype(np.float32))
+    with pytest.raises(InvalidArgumentError, match="is int32, the variable float32"):
+        check_gradient("w", SPEC, np.ones((4, 3), np.int32))
+    assert narrower(np.dtype(np.float16), np.dtype(np.float32))
+    assert not narrower(np.dtype(np.int8), np.dtype(np.float32))
+    assert not narrower(np.dtype(np.float32), np.dtype(np.float32))
 
 
 def test_check_gradient_refuses_int_variables_and_sparse_scalars() -> None:

@@ -152,6 +152,37 @@ async def test_rules_match_the_in_process_reference(job: Job, opt: Optimizer) ->
         np.testing.assert_allclose(state.slots[n], se[n], rtol=1e-12)
 
 
+@pytest.mark.parametrize("sync", [None, (1, 1)], ids=["async", "sync"])
+async def test_float16_gradients_apply_as_their_float32_values(
+    job: Job, sync: tuple[int, int] | None
+) -> None:
+    """Gradients sent in float16 (qps worker --grad-dtype) for float32 variables, dense
+    and sparse rows: the shard widens them before the apply, so the state is exactly
+    the in-process Adam's on the widened values, in both modes."""
+    opt = Adam(learning_rate=0.01)
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 1, opt, sync=sync)
+    init = np.random.default_rng(0).random((6, 3)).astype(np.float32)
+    await sess.variable("d", (4,), np.float32, initializer=np.arange(4.0)).create()
+    await sess.variable("e", (6, 3), np.float32, initializer=init).create()
+    await job.shard()
+    rng = np.random.default_rng(1)
+    ref_d, ref_e = np.arange(4.0, dtype=np.float32), init.copy()
+    sd, se = opt.init_slots(ref_d), opt.init_slots(ref_e)
+    for t in range(1, 6):
+        gd = rng.standard_normal(4).astype(np.float16)
+        idx = np.unique(rng.integers(0, 6, 4))
+        ge = rng.standard_normal((len(idx), 3)).astype(np.float16)
+        await sess.push({"d": gd, "e": (idx, ge)}, step=t - 1)
+        opt.apply_dense(ref_d, gd.astype(np.float32), sd, t)
+        opt.apply_sparse(ref_e, idx, ge.astype(np.float32), se, t)
+        await _steps(sess, t)  # synchronous: one update at a time
+    got = await sess.pull(["d", "e"])
+    assert got["d"].value.dtype == np.float32
+    np.testing.assert_array_equal(got["d"].value, ref_d)
+    np.testing.assert_array_equal(got["e"].value, ref_e)
+
+
 def _message(sess: qps.Session, grads: dict[str, Any], nonce: str = "x.1") -> GradientMessage:
     return GradientMessage(worker="w9", step=3, shard=0, nonce=nonce, grads=grads, global_step=True)
 

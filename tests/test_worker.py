@@ -149,3 +149,26 @@ def test_auto_puts_only_a_large_model_on_the_gpu(monkeypatch: pytest.MonkeyPatch
     assert xp(large, "numpy") is np
     monkeypatch.setenv("QPS_BACKEND", "cupy")  # no flag: the variable decides
     assert xp(small, "") is fake
+
+
+async def test_grad_dtype_float16_sends_half_the_bytes() -> None:
+    """--grad-dtype float16: the step's gradients leave the worker as float16 (the
+    shard widens them: tests/test_ps_shard.py); without it, as the variables' dtype."""
+    from workers.data import builtin_split
+
+    w = Worker(_cfg(grad_dtype="float16"), None)  # type: ignore[arg-type]
+    params = w.model.init_params(np.random.default_rng(0))
+    train, _ = builtin_split("digits", w.model)
+    batch = tuple(a[:32] for a in train)
+    _, half = await w._compute(params, batch)
+    _, full = await Worker(_cfg(), None)._compute(params, batch)  # type: ignore[arg-type]
+    assert {g.dtype for g in half.values()} == {np.dtype(np.float16)}
+    assert {g.dtype for g in full.values()} == {np.dtype(np.float32)}
+    for n, g in full.items():
+        np.testing.assert_array_equal(half[n], g.astype(np.float16))
+    with pytest.raises(InvalidArgumentError, match="grad dtype 'int8' is not one of"):
+        _cfg(grad_dtype="int8").check()
+    from workers.launcher import TrainConfig
+
+    args = TrainConfig(grad_dtype="float16").worker_args(0, "redis://x", "c")
+    assert args[args.index("--grad-dtype") + 1] == "float16"

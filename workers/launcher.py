@@ -96,6 +96,9 @@ class TrainConfig:
     #: where the workers' math runs (``qps worker --backend``); "": each worker's
     #: default ($QPS_BACKEND, else auto)
     backend: str = ""
+    #: the dtype the workers send gradients in (``qps worker --grad-dtype``); "": the
+    #: variables' own
+    grad_dtype: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
 
     def metrics_ports(self) -> dict[str, int]:
@@ -132,6 +135,8 @@ class TrainConfig:
             args += ["--logdir", self.logdir]
         if self.backend:
             args += ["--backend", self.backend]
+        if self.grad_dtype:
+            args += ["--grad-dtype", self.grad_dtype]
         return args + self._metrics_args(f"worker{index}") + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:

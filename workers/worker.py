@@ -76,11 +76,14 @@ from qps.queues.waiters import LEASE_MS
 from qps.variables import ReadPlan, VariableValue
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
-from workers.models import Model, Rows, build_model, grads_to_host, params_to
+from workers.models import Model, Rows, build_model, grads_to_host, narrowed, params_to
 
-__all__ = ["INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
+__all__ = ["GRAD_DTYPES", "INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
 
 log = logging.getLogger("qps.worker")
+
+#: the dtypes ``--grad-dtype`` takes: gradients narrower than their variables
+GRAD_DTYPES = ("float16", "float32")
 
 #: models with at most this many dense parameters compute on the event loop's thread,
 #: and with NumPy under ``--backend auto`` even where a GPU exists
@@ -141,10 +144,17 @@ class WorkerConfig:
     #: where the math runs: auto (CuPy for a model over INLINE_PARAMS dense parameters
     #: where a CUDA device exists), numpy or cupy; "" takes $QPS_BACKEND, else auto
     backend: str = ""
+    #: the dtype gradients travel in ("" : the variables' own); "float16" halves the
+    #: bytes of float32 gradients, the shard widens them before the apply
+    grad_dtype: str = ""
 
     def check(self) -> None:
         """Raises InvalidArgumentError for settings that cannot work."""
         self.array_module()
+        if self.grad_dtype not in ("", *GRAD_DTYPES):
+            raise InvalidArgumentError(
+                f"grad dtype {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}"
+            )
         if self.num_workers < 1 or not -1 <= self.index < self.num_workers:
             raise InvalidArgumentError(
                 f"worker index {self.index} is not in [0, {self.num_workers}) workers"
@@ -313,6 +323,7 @@ class Worker:
         #: step goes to a thread, which waits for the device while the loop runs on
         self.inline = self.xp is np and small
         self.names = [f"worker{k}" for k in range(cfg.num_workers)]
+        self.grad_dtype = np.dtype(cfg.grad_dtype) if cfg.grad_dtype else None
         self.stop = asyncio.Event()
         self.result = WorkerResult()
         self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
@@ -443,7 +454,7 @@ class Worker:
     ) -> tuple[float, dict[str, Any]]:
         if self.inline:
             loss, grads = self.model.loss_and_grads(params, batch)
-            return float(loss), grads_to_host(grads)
+            return float(loss), grads_to_host(narrowed(grads, self.grad_dtype))
         return await asyncio.to_thread(self._step_math, params, batch)
 
     def _step_math(
@@ -455,7 +466,7 @@ class Worker:
         if self.xp is not np:
             params = params_to(params, self.xp)
         loss, grads = self.model.loss_and_grads(params, batch)
-        return float(loss), grads_to_host(grads)
+        return float(loss), grads_to_host(narrowed(grads, self.grad_dtype))
 
     async def _batches(self, source: _Input) -> AsyncGenerator[tuple[np.ndarray, ...], None]:
         """Batches with the next one fetched while the current one is used (local

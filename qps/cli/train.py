@@ -41,6 +41,7 @@ CONFIG_KEYS = {
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group", "max_message_mib", "metrics_port", "metrics_addr",
     "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
+    "grad_dtype",
 }  # fmt: skip
 
 
@@ -185,6 +186,13 @@ def _load_config(path: str) -> dict[str, Any]:
     "else auto: CuPy on a CUDA device for a model of over 200,000 dense parameters, "
     "NumPy otherwise].",
 )
+@click.option(
+    "--grad-dtype",
+    type=click.Choice(["float16", "float32"]),
+    default=None,
+    help="The workers send gradients in this narrower float dtype (see `qps worker "
+    "--grad-dtype`) [the variables' dtype].",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -230,6 +238,10 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     merged.setdefault("num_workers", merged.pop("workers", 3))
     merged.pop("ps", None)
     merged.pop("workers", None)
+    if merged.get("grad_dtype", "float16") not in ("float16", "float32"):
+        raise CliError(
+            f"grad-dtype {merged['grad_dtype']!r} is not one of float16, float32", EXIT_USAGE
+        )
     if merged.get("backend"):  # refused here rather than by every worker
         from qps import backend
 

@@ -111,6 +111,15 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "are copied there after each pull and the gradients back before each push.",
 )
 @click.option(
+    "--grad-dtype",
+    type=click.Choice(["float16", "float32"]),
+    default=None,
+    help="Send gradients in this narrower float dtype (float16: half the bytes of "
+    "float32 gradients); the shard widens them to the variable's dtype before the "
+    "apply. A value past float16's range (65504) becomes Inf and the shard "
+    "dead-letters the message. Default: the variables' dtype.",
+)
+@click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False),
     default=None,
@@ -172,6 +181,7 @@ def worker(
 
     role_logs(ctx, "qps.worker")
     steps = opts.pop("steps")
+    opts["grad_dtype"] = opts.get("grad_dtype") or ""
     cfg = WorkerConfig(steps=None if steps == 0 else steps, **opts)  # type: ignore[arg-type]
     try:
         cfg.check()

@@ -39,7 +39,9 @@ __all__ = [
     "decode_message",
     "encode_message",
     "is_finite",
+    "narrower",
     "nbytes",
+    "widen",
 ]
 
 #: Version of the ``@meta`` map; other versions are refused.
@@ -248,7 +250,10 @@ def check_gradient(name: str, spec: VariableSpec, grad: Any) -> Gradient:
     ``(indices, values)`` is converted) with int64 1-D indices in range and rows of the
     variable's row shape and dtype.
 
-    An array of another dtype is refused, as TF refuses it (nothing is cast silently);
+    An array of another dtype is refused, as TF refuses it (nothing is cast silently),
+    but for a narrower floating-point one (float16 for a float32 or float64 variable,
+    float32 for a float64 one): a gradient compressed on purpose to move fewer bytes,
+    kept as it is here and widened by the shard before the apply (:func:`widen`).
     Python scalars and lists are converted to the variable's dtype.
 
     Raises:
@@ -291,8 +296,26 @@ def check_gradient(name: str, spec: VariableSpec, grad: Any) -> Gradient:
     return arr
 
 
+def narrower(dtype: np.dtype[Any], than: np.dtype[Any]) -> bool:
+    """Whether a gradient of ``dtype`` may stand for one of ``than``: both IEEE
+    floating point, ``dtype`` the narrower (float16 < float32 < float64)."""
+    return dtype.kind == "f" and than.kind == "f" and dtype.itemsize < than.itemsize
+
+
+def widen(grad: Gradient, spec: VariableSpec) -> Gradient:
+    """``grad`` in its variable's dtype: a narrower one (see :func:`check_gradient`)
+    widened, exactly (every float16 value is a float32 one); else ``grad`` itself."""
+    vals = grad.values if isinstance(grad, SparseGradient) else grad
+    if vals.dtype == spec.dtype:
+        return grad
+    wide = vals.astype(spec.dtype)
+    return SparseGradient(grad.indices, wide) if isinstance(grad, SparseGradient) else wide
+
+
 def _array(name: str, spec: VariableSpec, x: Any, what: str) -> npt.NDArray[Any]:
     if isinstance(x, np.ndarray):
+        if narrower(x.dtype.newbyteorder("="), spec.dtype.newbyteorder("=")):
+            return np.ascontiguousarray(x)  # compressed on purpose: widened by the shard
         if x.dtype.newbyteorder("=") != spec.dtype.newbyteorder("="):
             raise InvalidArgumentError(
                 f"{what} of '{name}' is {dtype_name(x.dtype)}, the variable "

@@ -86,6 +86,7 @@ from qps.ps.messages import (
     check_gradient,
     decode_message,
     is_finite,
+    widen,
 )
 from qps.queues.base import Delivery, QueueBase
 from qps.queues.waiters import LEASE_MS as DELIVERY_LEASE_MS
@@ -1248,6 +1249,7 @@ class Shard:
                 check_gradient(name, o.var.spec, g)
             except InvalidArgumentError as exc:
                 raise _Rejected(str(exc), name) from None
+            msg.grads[name] = widen(g, o.var.spec)  # a compressed one: in the variable's dtype
 
     async def _applied_flags(
         self, msgs: list[GradientMessage]

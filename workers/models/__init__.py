@@ -22,6 +22,7 @@ from workers.models.base import (
     check_params,
     grads_to_host,
     he_normal,
+    narrowed,
     params_to,
 )
 from workers.models.embbag import EmbeddingBagMLP
@@ -45,6 +46,7 @@ __all__ = [
     "grads_to_host",
     "he_normal",
     "model_names",
+    "narrowed",
     "params_to",
     "register_model",
 ]

@@ -55,6 +55,7 @@ __all__ = [
     "grads_to_host",
     "he_normal",
     "local_rows",
+    "narrowed",
     "params_to",
 ]
 
@@ -234,6 +235,28 @@ def grads_to_host(grads: Mapping[str, Gradient]) -> dict[str, Gradient]:
             out[name] = SparseGradient(asnumpy(g.indices).astype(np.int64), asnumpy(g.values))
         else:
             out[name] = asnumpy(g)
+    return out
+
+
+def narrowed(grads: Mapping[str, Gradient], dtype: Any) -> dict[str, Gradient]:
+    """``grads`` with every floating-point array wider than ``dtype`` cast to it (the
+    values of a sparse gradient; its indices stay int64): gradients compressed for the
+    wire (``qps worker --grad-dtype``), on the device where they are (half the bytes
+    to copy back from a GPU too). ``None`` leaves them as they are."""
+    if dtype is None:
+        return dict(grads)
+    want = np.dtype(dtype)
+
+    def cast(a: Any) -> Any:
+        d = np.dtype(a.dtype)
+        return a.astype(want) if d.kind == "f" and d.itemsize > want.itemsize else a
+
+    out: dict[str, Gradient] = {}
+    for name, g in grads.items():
+        if isinstance(g, SparseGradient):
+            out[name] = SparseGradient(g.indices, cast(g.values))
+        else:
+            out[name] = cast(g)
     return out
 
 
