@@ -28,7 +28,7 @@ WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
                                 [--packed both|only|no] [--backend auto|numpy|cupy]
-                                [--grad-dtype float16]
+                                [--grad-dtype float16] [--unix]
 """
 
 from __future__ import annotations
@@ -322,6 +322,9 @@ def main() -> None:
                     help="the qps workers send gradients in this dtype (qps worker "
                     "--grad-dtype; WORKLOADS.md's optional fp16 transfer); default: "
                     "the variables' float32")  # fmt: skip
+    ap.add_argument("--unix", action="store_true",
+                    help="the dedicated server listens on a unix socket, for qps and raw "
+                    "alike (default: TCP loopback, as the peers were measured)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     packed = args.packed or ("no" if args.workload == "w5" else "both")
@@ -331,7 +334,7 @@ def main() -> None:
     configure(args.workload)
     import harness
 
-    server = harness.BenchServer().start()
+    server = harness.BenchServer(unix=args.unix).start()
     where = server.describe()
     try:
         got: dict[str, list[dict[str, Any]]] = {k: [] for k in (*impls, "raw", "numpy")}
