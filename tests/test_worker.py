@@ -172,3 +172,47 @@ async def test_grad_dtype_float16_sends_half_the_bytes() -> None:
 
     args = TrainConfig(grad_dtype="float16").worker_args(0, "redis://x", "c")
     assert args[args.index("--grad-dtype") + 1] == "float16"
+
+
+async def test_sync_training_is_single_process_training_of_the_averaged_batches(
+    make_client: Any,
+) -> None:
+    """Two synchronous workers, one shard: every update is the mean of one gradient per
+    worker on the same parameters, which is what one process computes from the two
+    workers' minibatch streams (worker k draws with default_rng(seed + k)). The job's
+    parameters equal that process's to float rounding, and so does the accuracy."""
+    from workers.data import builtin_split, minibatches, take
+
+    steps, lr = 15, 0.05
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C])
+    try:
+        await control.configure(client, C, 1, SGD(learning_rate=lr), sync=(2, 2))
+        await j.shard(0, 1, lease_ms=5000)
+
+        async def run(index: int) -> Worker:
+            sess = await j.session(f"worker{index}")
+            w = Worker(_cfg(index=index, num_workers=2, steps=steps, backend="numpy"), sess)
+            await w.prepare()
+            await w.train()
+            return w
+
+        w0, _ = await asyncio.wait_for(asyncio.gather(run(0), run(1)), 120)
+        got = await j.sessions[0].pull([p.name for p in w0.model.params_spec()])
+        job_params = {n: np.array(v.value) for n, v in got.items()}
+    finally:
+        await j.close()
+    model = w0.model
+    params = model.init_params(np.random.default_rng(0))
+    train, test = builtin_split("digits", model)
+    streams = [minibatches(len(train[-1]), 32, np.random.default_rng(1 + k)) for k in range(2)]
+    for _ in range(steps):
+        grads = [model.loss_and_grads(params, take(train, next(s)))[1] for s in streams]
+        for n in params:
+            params[n] = params[n] - lr * ((grads[0][n] + grads[1][n]) / 2)
+    for n, v in params.items():
+        np.testing.assert_allclose(job_params[n], v, rtol=1e-5, atol=1e-6, err_msg=n)
+    assert model.accuracy(job_params, test) == pytest.approx(
+        model.accuracy(params, test), abs=0.003
+    )
