@@ -161,6 +161,20 @@ def _pack(args: tuple[Any, ...]) -> bytes | list[bytes | memoryview]:
 # -- the connection ------------------------------------------------------------------------
 
 
+def _pack_all(commands: Iterable[Sequence[Any]]) -> tuple[list[bytes | memoryview], int]:
+    """Several commands packed for one write, and how many there are."""
+    parts: list[bytes | memoryview] = []
+    count = 0
+    for command in commands:
+        data = _pack(tuple(command))
+        if isinstance(data, bytes):
+            parts.append(data)
+        else:
+            parts.extend(data)
+        count += 1
+    return parts, count
+
+
 class _Batch:
     """The futures' stand-in for a group of commands sent together: collects ``left``
     more replies, then resolves ``future`` with the list of them."""
@@ -325,6 +339,14 @@ class Connection(asyncio.Protocol):
             for part in data:
                 transport.write(part)
 
+    def _write_parts(self, parts: list[bytes | memoryview]) -> None:
+        """Write packed commands: joined into one buffer when all are small bytes, else
+        as they are (large buffers are never copied)."""
+        if all(type(p) is bytes for p in parts):
+            self._write(b"".join(parts))
+        else:
+            self._write(parts)
+
     async def _drain(self, pending: asyncio.Future[Any]) -> None:
         """Wait while the transport's write buffer is over its high-water mark."""
         try:
@@ -384,18 +406,9 @@ class Connection(asyncio.Protocol):
         """
         if self._failure is not None:
             raise self._error()
-        parts: list[bytes | memoryview] = []
-        for command in commands:
-            data = _pack(tuple(command))
-            if isinstance(data, bytes):
-                parts.append(data)
-            else:
-                parts.extend(data)
+        parts, _ = _pack_all(commands)
         futures = [_EachReply(self._new_future()) for _ in commands]
-        if all(type(p) is bytes for p in parts):
-            self._write(b"".join(parts))
-        else:
-            self._write(parts)
+        self._write_parts(parts)
         self._waiting.extend(futures)
         return [f.future for f in futures]
 
@@ -409,23 +422,12 @@ class Connection(asyncio.Protocol):
         """
         if self._failure is not None:
             raise self._error()
-        parts: list[bytes | memoryview] = []
-        count = 0
-        for command in commands:
-            data = _pack(tuple(command))
-            if isinstance(data, bytes):
-                parts.append(data)
-            else:
-                parts.extend(data)
-            count += 1
+        parts, count = _pack_all(commands)
         if not count:
             return []
         fut: asyncio.Future[list[Any]] = self._new_future()
         batch = _Batch(fut, count)
-        if all(type(p) is bytes for p in parts):
-            self._write(b"".join(parts))
-        else:
-            self._write(parts)
+        self._write_parts(parts)
         self._waiting.extend([batch] * count)
         if self._paused:
             await self._drain(fut)

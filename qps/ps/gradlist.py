@@ -227,14 +227,7 @@ class GradientList:
         command = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", timeout)
         replies = await self.client.write_commands([command])
         if replies is None:  # no lean connection (fakeredis)
-            with map_errors():
-                got = await self.client.commands.blmove(
-                    self.key,
-                    self.proc,
-                    timeout,  # type: ignore[arg-type]
-                    "LEFT",
-                    "RIGHT",
-                )
+            got = await self._blmove(timeout)
         else:
             got = replies[0]
             if isinstance(got, BaseException):
@@ -300,15 +293,7 @@ class GradientList:
             wait = ("BLMOVE", self.key, self.proc, "LEFT", "RIGHT", timeout)
             got = await self.client.write_commands([wait, ("LLEN", self.key)])
             if got is None:  # no lean connection (fakeredis)
-                with map_errors():
-                    one = await self.client.commands.blmove(
-                        self.key,
-                        self.proc,
-                        timeout,  # type: ignore[arg-type]
-                        "LEFT",
-                        "RIGHT",
-                    )
-                    got = [one, await self.client.commands.llen(self.key)]
+                got = [await self._blmove(timeout), await self.size()]
             replies = got
         for r in replies:
             if isinstance(r, BaseException):
@@ -324,6 +309,18 @@ class GradientList:
         if wakes:  # done with them
             await self.ack(wakes)
         return out
+
+    async def _blmove(self, timeout: float) -> Any:
+        """One take through redis-py (a client without lean connections: fakeredis)."""
+        assert self.proc is not None
+        with map_errors():
+            return await self.client.commands.blmove(
+                self.key,
+                self.proc,
+                timeout,  # type: ignore[arg-type]
+                "LEFT",
+                "RIGHT",
+            )
 
     def _delivery(self, got: Any) -> Delivery:
         """The next message moved into the processing list, as a delivery of its own."""
