@@ -435,12 +435,7 @@ class Client:
             out.append(mapped)
 
         def finished(last: asyncio.Future[Any]) -> None:
-            self._busy.discard(conn)
-            ok = not last.cancelled() and last.exception() is None
-            if ok and self._endpoint is not None and not conn.closed:
-                self._idle.append(conn)
-            else:
-                conn.close()
+            self._done_with(conn, not last.cancelled() and last.exception() is None)
 
         futures[-1].add_done_callback(finished)
         return out
@@ -456,12 +451,17 @@ class Client:
             replies = await _call_many(conn, commands)
             reusable = True
         finally:
-            self._busy.discard(conn)
-            if reusable and self._endpoint is not None and not conn.closed:
-                self._idle.append(conn)
-            else:
-                conn.close()
+            self._done_with(conn, reusable)
         return replies
+
+    def _done_with(self, conn: resp.Connection, reusable: bool) -> None:
+        """A waiter connection's exchange is over: back to the free ones if it ended
+        complete, else closed (a reply may still come on it)."""
+        self._busy.discard(conn)
+        if reusable and self._endpoint is not None and not conn.closed:
+            self._idle.append(conn)
+        else:
+            conn.close()
 
     def _keep_bulk(self, reader: resp.BulkReader) -> None:
         if self._endpoint is None or reader.closed or len(self._bulk) >= 4:

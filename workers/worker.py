@@ -71,6 +71,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.ps import control
+from qps.ps.messages import GRAD_DTYPES
 from qps.queues.base import Delivery
 from qps.queues.waiters import LEASE_MS
 from qps.variables import ReadPlan, VariableValue
@@ -81,9 +82,6 @@ from workers.models import Model, Rows, build_model, grads_to_host, narrowed, pa
 __all__ = ["GRAD_DTYPES", "INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
 
 log = logging.getLogger("qps.worker")
-
-#: the dtypes ``--grad-dtype`` takes: gradients narrower than their variables
-GRAD_DTYPES = ("float16", "float32")
 
 #: models with at most this many dense parameters compute on the event loop's thread,
 #: and with NumPy under ``--backend auto`` even where a GPU exists
@@ -178,10 +176,9 @@ class WorkerConfig:
         Raises:
             InvalidArgumentError: cupy asked for where CuPy or a CUDA device is missing.
         """
+        what = "backend" if self.backend else backend.ENV_VAR
         try:
-            if self.backend:
-                return backend.choose(self.backend, "backend")
-            return backend.choose(os.environ.get(backend.ENV_VAR))
+            return backend.choose(self.backend or os.environ.get(backend.ENV_VAR), what)
         except (ValueError, RuntimeError) as exc:
             raise InvalidArgumentError(str(exc)) from None
 

@@ -10,8 +10,10 @@ from typing import Any
 
 import click
 
+from qps import backend
 from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
 from qps.cli.progress import Progress
+from qps.ps.messages import GRAD_DTYPES
 
 #: the examples ``--example`` names: option defaults for each
 EXAMPLES: dict[str, dict[str, Any]] = {
@@ -180,7 +182,7 @@ def _load_config(path: str) -> dict[str, Any]:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "numpy", "cupy"], case_sensitive=False),
+    type=click.Choice(backend.CHOICES, case_sensitive=False),
     default=None,
     help="Where the workers' math runs (see `qps worker --backend`) [$QPS_BACKEND, "
     "else auto: CuPy on a CUDA device for a model of over 200,000 dense parameters, "
@@ -188,7 +190,7 @@ def _load_config(path: str) -> dict[str, Any]:
 )
 @click.option(
     "--grad-dtype",
-    type=click.Choice(["float16", "float32"]),
+    type=click.Choice(GRAD_DTYPES),
     default=None,
     help="The workers send gradients in this narrower float dtype (see `qps worker "
     "--grad-dtype`) [the variables' dtype].",
@@ -238,13 +240,12 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     merged.setdefault("num_workers", merged.pop("workers", 3))
     merged.pop("ps", None)
     merged.pop("workers", None)
-    if merged.get("grad_dtype", "float16") not in ("float16", "float32"):
+    if merged.get("grad_dtype", GRAD_DTYPES[0]) not in GRAD_DTYPES:
         raise CliError(
-            f"grad-dtype {merged['grad_dtype']!r} is not one of float16, float32", EXIT_USAGE
+            f"grad-dtype {merged['grad_dtype']!r} is not one of {', '.join(GRAD_DTYPES)}",
+            EXIT_USAGE,
         )
     if merged.get("backend"):  # refused here rather than by every worker
-        from qps import backend
-
         try:
             backend.choose(str(merged["backend"]), "backend")
         except (ValueError, RuntimeError) as exc:

@@ -9,6 +9,7 @@ import signal
 
 import click
 
+from qps import backend
 from qps.cli import (
     EXIT_USAGE,
     CliError,
@@ -20,6 +21,7 @@ from qps.cli import (
     serve_metrics,
     url_option,
 )
+from qps.ps.messages import GRAD_DTYPES
 
 MODEL_HELP = (
     "The model, NAME:OPTIONS: softmax:IN,CLASSES; mlp:IN,HIDDEN...,CLASSES; "
@@ -100,8 +102,8 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--log-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "numpy", "cupy"], case_sensitive=False),
-    envvar="QPS_BACKEND",
+    type=click.Choice(backend.CHOICES, case_sensitive=False),
+    envvar=backend.ENV_VAR,
     show_envvar=True,
     default="auto",
     show_default=True,
@@ -112,7 +114,7 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @click.option(
     "--grad-dtype",
-    type=click.Choice(["float16", "float32"]),
+    type=click.Choice(GRAD_DTYPES),
     default=None,
     help="Send gradients in this narrower float dtype (float16: half the bytes of "
     "float32 gradients); the shard widens them to the variable's dtype before the "

@@ -232,13 +232,7 @@ class GradientList:
             got = replies[0]
             if isinstance(got, BaseException):
                 raise got
-        if got is None:
-            return None
-        d = self._delivery(got)
-        if not len(d.value):  # a wake-up: done with it
-            await self.ack([d])
-            return None
-        return d
+        return None if got is None else await self._message(got)
 
     async def take_each(
         self, n: int, timeout: float, then: float = FOLLOW_SECONDS
@@ -264,15 +258,7 @@ class GradientList:
                 got = await fut
                 if isinstance(got, BaseException):
                     raise got
-                if got is None:
-                    yield None
-                    continue
-                d = self._delivery(got)
-                if not len(d.value):  # a wake-up: done with it
-                    await self.ack([d])
-                    yield None
-                    continue
-                yield d
+                yield None if got is None else await self._message(got)
         finally:
             for fut in futures:
                 if not fut.done():
@@ -321,6 +307,15 @@ class GradientList:
                 "LEFT",
                 "RIGHT",
             )
+
+    async def _message(self, got: Any) -> Delivery | None:
+        """The element a take moved as a delivery; None for :data:`WAKE`, acknowledged
+        at once (it is no message)."""
+        d = self._delivery(got)
+        if not len(d.value):
+            await self.ack([d])
+            return None
+        return d
 
     def _delivery(self, got: Any) -> Delivery:
         """The next message moved into the processing list, as a delivery of its own."""

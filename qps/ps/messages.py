@@ -33,6 +33,7 @@ from qps.varspec import VariableSpec, check_indices, dtype_name, format_shape
 
 __all__ = [
     "FORMAT",
+    "GRAD_DTYPES",
     "GradientMessage",
     "SparseGradient",
     "check_gradient",
@@ -294,6 +295,11 @@ def check_gradient(name: str, spec: VariableSpec, grad: Any) -> Gradient:
             f"{format_shape(spec.shape)}"
         )
     return arr
+
+
+#: the dtypes a worker may send gradients in on purpose (``qps worker --grad-dtype``):
+#: narrower than their variables, widened by the shard (:func:`widen`)
+GRAD_DTYPES = ("float16", "float32")
 
 
 def narrower(dtype: np.dtype[Any], than: np.dtype[Any]) -> bool:

@@ -991,9 +991,10 @@ class Shard:
     async def _fetch_list(self, gl: GradientList, inbox: _Inbox) -> None:
         """The reader of the gradient list: take messages into the processing list,
         decode them and put them in the inbox; done once the job is finished and the
-        list is empty. Synchronous training takes one at a time; asynchronous training
-        takes what waits (up to the inbox's room) in one round trip, and records who
-        sent each message, for its credit (module docstring of qps.ps.gradlist)."""
+        list is empty. Synchronous training sends an update's takes in one write
+        (:meth:`GradientList.take_each`); asynchronous training takes what waits (up to
+        the inbox's room) in one round trip, and records who sent each message, for its
+        credit (module docstring of qps.ps.gradlist)."""
         each = 0
         try:
             while True:
