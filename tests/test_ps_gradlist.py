@@ -5,15 +5,18 @@ through it: exactly once across a shard that dies holding messages; both backend
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
+from qps import keys
 from qps.errors import CancelledError, UnavailableError
 from qps.optimizers import SGD
 from qps.ps import control
 from qps.ps.gradlist import TOMBSTONE, WAKE, GradientList, is_list_delivery
 from qps.ps.messages import decode_message
+from qps.ps.shard import _coalesced
 from tests.conftest import cancel_all, until
 from tests.test_ps_shard import C, Job, job  # noqa: F401  (the fixture)
 
@@ -157,17 +160,82 @@ async def test_sync_pushes_go_through_the_list(job: Job) -> None:  # noqa: F811
         await a.push({"w": np.array([1, 1], np.float32)}, step=1)
 
 
-@pytest.mark.parametrize("how", ["lost", "refused"])
+async def test_a_sync_update_is_popped_by_its_token_script(
+    job: Job,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a single server a synchronous update's messages leave the processing list in
+    the commit's round trip (the token script pops them once the update is committed):
+    no ack of their own; the stats and the ids' releases kept meanwhile are sent once
+    the shard is idle, and count every update."""
+    sess = await job.session("w0")
+    await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), sync=(1, 1))
+    await sess.variable("w", (2,), np.float32, initializer="zeros").create()
+    acks: list[int] = []
+    real_ack = GradientList.ack
+
+    async def counted_ack(self: GradientList, ds: Any, after: Any = ()) -> bool:
+        acks.append(len(ds))
+        return await real_ack(self, ds, after)
+
+    monkeypatch.setattr(GradientList, "ack", counted_ack)
+    shard, task = await job.shard(0, 1)
+    tok = control.tokens(sess.client, C, 0)
+    gl = GradientList(sess.client, C, 0)
+    for step in range(5):
+        await sess.push({"w": np.array([1, 2], np.float32)}, step=step)
+        assert (await tok.take_then([], 10))[0] == step + 1
+    assert (await sess.pull("w")).value.tolist() == [-5.0, -10.0]
+    assert acks == []  # none acknowledged alone
+    (proc,) = [p for p in await sess.client.commands.smembers(gl.procs)]
+    assert await sess.client.commands.llen(proc) == 0  # popped by the updates' scripts
+    stats = keys.ps_prefix(C, 0) + "stats"
+
+    async def counted() -> bool:  # sent once the shard waited RELEASE_IDLE_S
+        return int(await sess.client.commands.hget(stats, "applied") or 0) == 5
+
+    await until(counted)
+    applied = keys.variable_applied(C, "w")
+    assert await sess.client.commands.zcard(applied) == 0  # the ids released
+    await control.mark_finished(sess.client, C)
+    assert await asyncio.wait_for(task, 10) == "finished"
+    assert shard.applied == 5 and await gl.size() == 0
+
+
+def test_releases_and_stats_are_coalesced() -> None:
+    """What a shard keeps to send later goes in as few commands as do the same."""
+    kept = [
+        ("ZREM", "a", "m1", "m2"),
+        ("ZREM", "b", "m1"),
+        ("HINCRBY", "s", "applied", 2),
+        ("HINCRBY", "s", "rows", 0),
+        ("HSET", "s", "last_ms", 1, "held_bytes", 9),
+        ("ZREM", "a", "m3", "m2"),
+        ("HINCRBY", "s", "applied", 1),
+        ("HSET", "s", "last_ms", 2, "first_ms", 1),
+        ("RPUSH", "c", "x"),
+    ]
+    assert _coalesced(kept) == [
+        ("ZREM", "a", "m1", "m2", "m3"),
+        ("ZREM", "b", "m1"),
+        ("HINCRBY", "s", "applied", 3),
+        ("HSET", "s", "last_ms", 2, "held_bytes", 9, "first_ms", 1),
+        ("RPUSH", "c", "x"),
+    ]
+
+
+@pytest.mark.parametrize("how", ["lost", "refused", "refused with the tokens"])
 async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
     job: Job,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
     how: str,
 ) -> None:
     """A shard that stops after committing an update whose pop was lost (an error) or
-    refused (the lease no longer holds its token) gives the message back and keeps its
-    ids; a shard that dies holding messages leaves them in its processing list. The
-    next owner puts both back, finds the committed one in the applied ids (skipped)
-    and applies the other once."""
+    refused (the lease no longer holds its token: in the ack's own round trip, or in
+    the token script that pops an update's messages on a single server) gives the
+    message back and keeps its ids; a shard that dies holding messages leaves them in
+    its processing list. The next owner puts both back, finds the committed one in the
+    applied ids (skipped) and applies the other once."""
     sess = await job.session("w0")
     await control.configure(sess.client, C, 1, SGD(learning_rate=1.0), sync=(1, 1))
     await sess.variable("w", (2,), np.float32, initializer="zeros").create()
@@ -184,7 +252,17 @@ async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
             self._token = token
         return answers[-1]
 
+    real_front = GradientList.front_ack
+
+    def front_ack(self: GradientList, ds: Any) -> Any:
+        if how != "refused with the tokens":  # the pop goes in a round trip of its own
+            return None
+        got = real_front(self, ds)
+        assert got is not None  # on a single server, an update's message at the front
+        return got[0], [1 << 50, *got[1][1:]]  # a token the lease does not hold
+
     monkeypatch.setattr(GradientList, "ack", no_ack)
+    monkeypatch.setattr(GradientList, "front_ack", front_ack)
     shard, task = await job.shard(0, 1)
     tok = control.tokens(sess.client, C, 0)
     await sess.push({"w": np.array([1, 1], np.float32)}, step=0)
@@ -193,6 +271,7 @@ async def test_messages_held_by_a_stopped_or_dead_shard_are_applied_once(
     assert await asyncio.wait_for(task, 10) == "stopped"
     assert answers == ([False] if how == "refused" else [])
     monkeypatch.setattr(GradientList, "ack", real_ack)
+    monkeypatch.setattr(GradientList, "front_ack", real_front)
     gl = GradientList(sess.client, C, 0)
     assert await gl.size() == 1  # given back: committed, never popped
     await sess.push({"w": np.array([2, 2], np.float32)}, step=1)

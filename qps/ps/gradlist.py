@@ -365,6 +365,24 @@ class GradientList:
             raise reply
         return bool(int(reply))
 
+    def front_ack(self, ds: Sequence[Delivery]) -> tuple[list[str], list[Any]] | None:
+        """The keys and arguments with which another script acknowledges ``ds`` (a
+        synchronous shard's guarded token script, in its commit's round trip) when they
+        are exactly the messages at the processing list's front: its lease check and a
+        trim of that many (as :data:`_ACK` does); None otherwise (use :meth:`ack`). The
+        state does not move: call :meth:`acked_front` once that script ran."""
+        assert self.proc is not None
+        seqs = sorted(int(d.tokens[0][len(_TAG) :]) for d in ds)
+        if not seqs or seqs != list(range(self._popped, self._popped + len(seqs))):
+            return None
+        return [self.proc, self._lease], [self._token, len(seqs)]
+
+    def acked_front(self, n: int) -> None:
+        """The ``n`` messages at the processing list's front were acknowledged by a
+        script given :meth:`front_ack`'s keys and arguments (whether or not its lease
+        check let it pop them: the lease lost, the shard stops)."""
+        self._popped += n
+
     async def give_back(self) -> int:
         """Put everything the processing list holds back at the front of the list, in
         order (the shard stops: what it held was not committed). Returns how many."""

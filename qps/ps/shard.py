@@ -133,6 +133,9 @@ READ_AHEAD_BYTES = 64 << 20
 #: less per group; a shard that waits this long for messages sends what waits alone
 #: (seconds).
 RELEASE_IDLE_S = 0.05
+#: A synchronous shard's acknowledgements go with its tokens: the releases and stats
+#: kept meanwhile ride with a commit (after its tokens) once this many commands wait.
+RIDE_COMMANDS = 64
 #: How long the count of the shards that committed a synchronous update is kept (ms).
 DONE_TTL_MS = 3_600_000
 
@@ -186,33 +189,48 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 """
 
 # Synchronous training on a single server: the workers' tokens, sent in the commit's
-# round trip, after its scripts, and given only if the update committed.
+# round trip, after its scripts, and given only if the update committed; and, if asked,
+# the update's messages acknowledged with them (the gradient list's front trimmed, as
+# qps.ps.gradlist's ack script does, if the shard's lease still holds its token).
 # KEYS: the updated variables' metas, the workers' token lists, the global step's
 # applied ids ('' when another shard counts it: else the update's id 'sync.<step>' is
-# among them), the update's done counter ('' with one shard holding variables).
+# among them), the update's done counter ('' with one shard holding variables)[, the
+# processing list, the shard's lease].
 # ARGV: the number of variables, the shard's fencing token, each variable's version
 # once committed, the update's step, the shards that hold variables, the done
-# counter's time to live (ms).
-# Reply: 1 tokens given; 2 counted, another shard gives them; 0 the update is not (all)
-# committed: nothing done.
+# counter's time to live (ms)[, the lease's token, how many messages to trim].
+# Reply: {code, acked}: code 1 tokens given; 2 counted, another shard gives them; 0 the
+# update is not (all) committed: nothing done. acked: 1 trimmed, 0 the lease is
+# another's (nothing trimmed), -1 not asked (or code 0).
 _TOKENS_IF_COMMITTED = """
 local n = tonumber(ARGV[1])
+local last = #KEYS
+if #ARGV > n + 5 then last = last - 2 end
 for i = 1, n do
   local m = redis.call('HMGET', KEYS[i], 'token', 'ver')
   if tonumber(m[1]) ~= tonumber(ARGV[2]) or tonumber(m[2]) ~= tonumber(ARGV[2 + i]) then
-    return 0
+    return {0, -1}
   end
 end
 local step, needed = ARGV[3 + n], tonumber(ARGV[4 + n])
-local gs, done = KEYS[#KEYS - 1], KEYS[#KEYS]
-if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return 0 end
+local gs, done = KEYS[last - 1], KEYS[last]
+if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return {0, -1} end
+local acked = -1
+if last < #KEYS then
+  local v = redis.call('GET', KEYS[last + 2])
+  acked = 0
+  if v and string.match(v, '^(%d+) ') == ARGV[n + 6] then
+    redis.call('LTRIM', KEYS[last + 1], ARGV[n + 7], -1)
+    acked = 1
+  end
+end
 if needed > 1 then
   local count = redis.call('INCR', done)
   redis.call('PEXPIRE', done, ARGV[5 + n])
-  if count ~= needed then return 2 end
+  if count ~= needed then return {2, acked} end
 end
-for i = n + 1, #KEYS - 2 do redis.call('RPUSH', KEYS[i], step) end
-return 1
+for i = n + 1, last - 2 do redis.call('RPUSH', KEYS[i], step) end
+return {1, acked}
 """
 
 
@@ -367,16 +385,22 @@ class _Inbox:
                 return
             fut: asyncio.Future[None] = loop.create_future()
             self._waiting.append(fut)
+            timer = None if left is None else loop.call_later(left, _resolve, fut)
             try:
-                if left is None:  # the common case: no timer, no asyncio.wait set-up
-                    await fut
-                else:
-                    await asyncio.wait({fut}, timeout=left)
+                await fut
             finally:
+                if timer is not None:
+                    timer.cancel()
                 if not fut.done():
                     fut.cancel()
+                if timer is not None or fut.cancelled():  # else _changed took it out
                     with contextlib.suppress(ValueError):
                         self._waiting.remove(fut)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 @dataclass
@@ -1067,10 +1091,7 @@ class Shard:
 
         An ack carries in its round trip (on a single server) the releases of the
         groups acked before, and ``count``'s stats: see :meth:`_released`."""
-        gone = {id(d) for d in ds}
-        self._held = [d for d in self._held if id(d) not in gone]  # by identity
-        for d in ds:
-            self._sizes.pop(d.tokens, None)
+        self._unhold(ds)
         listed = [d for d in ds if is_list_delivery(d)]
         if listed:  # the gradient list's: given back all at once when the loop ends
             ds = [d for d in ds if not is_list_delivery(d)]
@@ -1083,7 +1104,7 @@ class Shard:
             if count is not None:
                 self._release_later += self._stats_commands(count)
             if listed or any(d.tokens for d in ds):  # what waits for an ack goes with it
-                after, self._release_later = self._release_later, []
+                after, self._release_later = _coalesced(self._release_later), []
         popped = True
         if listed:
             assert self._list is not None
@@ -1373,7 +1394,7 @@ class Shard:
         message ids in one script each, the variables concurrently: each commit is atomic
         on its own) and advance the global step alongside (it records the ids too)."""
         failure: BaseException | None = None
-        failed, _ = await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids)
+        failed, _, _ = await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids)
         for name, r in failed:
             if isinstance(r, AlreadyAppliedError):
                 # a message not looked up had been committed (an earlier owner's, not
@@ -1396,25 +1417,29 @@ class Shard:
         updates: int | None = None,
         gs_ids: Sequence[str] = (),
         tokens: int | None = None,
-    ) -> tuple[list[tuple[str, BaseException]], bool]:
+        ack: tuple[list[str], list[Any]] | None = None,
+    ) -> tuple[list[tuple[str, BaseException]], bool, bool | None]:
         """Commit the variables of ``pending``, then advance the global step by ``gs_ids``
         (each commit is atomic on its own, and records the ids with its state, so each
         is exactly-once on its own: the variables' run concurrently); those committed
-        leave ``touched``. Returns the variables' failures, and whether synchronous
-        update ``tokens`` (if given) had its tokens handled here; the global step's
+        leave ``touched``. Returns the variables' failures, whether synchronous update
+        ``tokens`` (if given) had its tokens handled here, and, if ``ack`` was given
+        (:meth:`GradientList.front_ack`'s keys and arguments), whether the update's
+        messages were acknowledged with its tokens (True), refused for the lease
+        (False), or not (None: acknowledge them the usual way); the global step's
         failure raises.
 
         On a single server, small dense commits go all at once: every variable's writes
         and commit script, the global step's script, and the update's tokens (given
         only if all of it committed), in one round trip."""
         names = list(pending)
-        batch = await self._commit_at_once(names, pending, updates, gs_ids, tokens)
+        batch = await self._commit_at_once(names, pending, updates, gs_ids, tokens, ack)
         results: list[BaseException | None]
-        handed = False
+        handed, acked = False, None
         if batch is None:
             results, rest = [None] * len(names), list(range(len(names)))
         else:  # what remains: commits that did not run (script not loaded, or held)
-            results, gs_ids, handed = batch
+            results, gs_ids, handed, acked = batch
             rest = [k for k, r in enumerate(results) if isinstance(r, _Fallback)]
         got = await asyncio.gather(
             *(self._commit(self.owned[names[k]], pending[names[k]], updates) for k in rest),
@@ -1430,7 +1455,7 @@ class Shard:
                 touched.discard(name)
             else:
                 failed.append((name, r))
-        return failed, handed
+        return failed, handed, acked
 
     def _whole(self, v: _Pending) -> bool:
         """Whether a commit writes the whole variable: a dense gradient's, or any under
@@ -1451,15 +1476,18 @@ class Shard:
         updates: int | None,
         gs_ids: Sequence[str],
         tokens: int | None = None,
-    ) -> tuple[list[BaseException | None], Sequence[str], bool] | None:
+        ack: tuple[list[str], list[Any]] | None = None,
+    ) -> tuple[list[BaseException | None], Sequence[str], bool, bool | None] | None:
         """The commits of :meth:`_commit_all` in one round trip, if they are all small
         dense ones on a single server; None otherwise. Returns each variable's outcome
         (None: committed; :class:`_Fallback`: its script was not loaded, or a
         checkpoint held the variable, and it did not run: commit it again the usual
         way), the global-step ids still to count (``gs_ids`` unless its script ran
-        here), and whether the tokens of synchronous update ``tokens`` were handled
+        here), whether the tokens of synchronous update ``tokens`` were handled
         (given, or counted for the shard that gives them) by a last script that runs
-        only if every commit of the round trip took."""
+        only if every commit of the round trip took, and what became of ``ack`` in that
+        script (see :meth:`_commit_all`). The releases and stats that wait
+        (``_release_later``) ride along after it once enough of them are kept."""
         if self.client.cluster or not names:
             return None
         plans = []
@@ -1489,15 +1517,28 @@ class Shard:
             await self._open_global_step()
             sha, gk = self._step_script.sha, self._step_keys()
             commands.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
+        riding = 0
         if tokens is not None:
-            commands.append(await self._tokens_command(names, pending, updates, tokens, gs_ids))
+            commands.append(
+                await self._tokens_command(names, pending, updates, tokens, gs_ids, ack)
+            )
+            if len(self._release_later) >= RIDE_COMMANDS:  # after the tokens: not before
+                later, self._release_later = _coalesced(self._release_later), []
+                commands += later
+                riding = len(later)
         replies = await self.client.run_commands_replies(commands)
-        handed = False
+        handed, acked = False, None
+        if riding:
+            self._release_replies(replies[-riding:])
+            del replies[-riding:]
         if tokens is not None:
             reply = replies.pop()
-            handed = not isinstance(reply, BaseException) and int(reply) != 0
-            if is_noscript(reply):
-                self._scripts_loaded = False
+            if isinstance(reply, BaseException):
+                if is_noscript(reply):
+                    self._scripts_loaded = False
+            else:
+                handed = int(reply[0]) != 0
+                acked = None if int(reply[1]) < 0 else bool(int(reply[1]))
         results: list[BaseException | None] = []
         at = 0
         for name, (cmds, check) in zip(names, plans):
@@ -1530,7 +1571,7 @@ class Shard:
                 self._scripts_loaded = False
             else:
                 raise reply
-        return results, gs_ids, handed
+        return results, gs_ids, handed, acked
 
     async def _tokens_command(
         self,
@@ -1539,17 +1580,20 @@ class Shard:
         updates: int | None,
         step: int,
         gs_ids: Sequence[str],
+        ack: tuple[list[str], list[Any]] | None = None,
     ) -> tuple[Any, ...]:
         """The guarded token script (``_TOKENS_IF_COMMITTED``) for update ``step``,
         committed by the round trip's scripts (the variables of ``names``, and the
-        global step if ``gs_ids``)."""
+        global step if ``gs_ids``); with ``ack``, it acknowledges the update's messages
+        too."""
         lists, needed = await self._token_lists()
         gs = keys.counter_applied(self.container, keys.GLOBAL_STEP) if gs_ids else ""
         done = self._done_key(step) if needed > 1 else ""
         metas = [keys.variable_meta(self.container, n) for n in names]
-        ks = [*metas, *(t.key for t in lists), gs, done]
+        ks = [*metas, *(t.key for t in lists), gs, done, *(ack[0] if ack else ())]
         versions = [self._next(self.owned[n], pending[n], updates)[1] for n in names]
         args = [len(names), self.token, *versions, step, needed, DONE_TTL_MS]
+        args += ack[1] if ack else []
         return ("EVALSHA", self._tokens_script.sha, len(ks), *ks, *args)
 
     async def _commit(self, o: _Owned, v: _Pending, updates: int | None = None) -> None:
@@ -1678,9 +1722,20 @@ class Shard:
             gs_ids = (
                 [f"sync.{self.sync_step + 1}"] if self.shard == control.GLOBAL_STEP_SHARD else []
             )
-            failed, handed = await self._commit_all(
-                pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1
+            # on a single server, the messages of the gradient list are acknowledged by
+            # the token script, once it found the update committed (no round trip of
+            # their own)
+            gl = self._list
+            front = None
+            listed = bool(deliveries) and all(is_list_delivery(d) for d in deliveries)
+            if gl is not None and not self.client.cluster and listed:
+                front = gl.front_ack(deliveries)
+            failed, handed, acked = await self._commit_all(
+                pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1, ack=front
             )
+            if acked is not None:
+                assert gl is not None
+                gl.acked_front(len(deliveries))
             for _, failure in failed:
                 raise failure
         except BaseException:
@@ -1688,6 +1743,14 @@ class Shard:
             self._give_back += deliveries  # the loop ends: given back with the rest
             raise
         self.sync_step += 1
+        if acked is not None:  # acknowledged with the tokens
+            self._unhold(deliveries)
+            if acked:  # its stats and its ids' release wait to ride with a later commit
+                self._release_later += self._stats_commands(g)
+                await self._released(g)
+            else:  # the lease is another owner's: it gives them back (found applied)
+                self.log.warning("the gradient list's pop was refused: the lease was lost")
+            return
 
         async def settle() -> None:  # the ids are released once the ack is done
             if await self._settle(q, deliveries, ack=True, count=g):
@@ -1762,6 +1825,13 @@ class Shard:
             keys.counter_applied(self.container, keys.GLOBAL_STEP),
         ]
 
+    def _unhold(self, ds: list[Delivery]) -> None:
+        """Stop holding deliveries ``ds`` (settled)."""
+        gone = {id(d) for d in ds}
+        self._held = [d for d in self._held if id(d) not in gone]  # by identity
+        for d in ds:
+            self._sizes.pop(d.tokens, None)
+
     def _stats_commands(self, g: _Group) -> list[tuple[Any, ...]]:
         """The writes that count a group's work in the shard's stats hash."""
         incr: dict[str, int] = {}
@@ -1821,12 +1891,19 @@ class Shard:
     async def _release_now(self) -> None:
         """Run the releases that wait for an ack to go with (the shard is idle, or
         stops)."""
-        commands, self._release_later = self._release_later, []
+        commands, self._release_later = _coalesced(self._release_later), []
         if commands:
             try:
                 await self.client.run_commands(commands)
             except QpsError as exc:  # the ids expire (APPLIED_KEEP_MS)
                 self.log.warning("could not release the ids of a group: %s", exc)
+
+    def _release_replies(self, replies: list[Any]) -> None:
+        """The replies of releases that rode with a commit: a failure is logged (the
+        ids expire, APPLIED_KEEP_MS)."""
+        bad = next((r for r in replies if isinstance(r, BaseException)), None)
+        if bad is not None:
+            self.log.warning("could not release the ids of a group: %s", bad)
 
     # -- dead letters and stats ----------------------------------------------------------------
     async def _dead_letter(
@@ -1883,6 +1960,31 @@ class Shard:
                 await pipe.execute()
         except QpsError as exc:
             self.log.warning("could not write stats: %s", exc)
+
+
+def _coalesced(commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Releases and stats writes (``_release_later``) in as few commands as do the same:
+    one ``ZREM`` per key with all its ids, one ``HINCRBY`` per field with the sum, one
+    ``HSET`` per key with each field's last value; anything else as it is, after them."""
+    zrem: dict[Any, list[Any]] = {}
+    incr: dict[tuple[Any, Any], int] = {}
+    hset: dict[Any, dict[Any, Any]] = {}
+    other: list[tuple[Any, ...]] = []
+    for c in commands:
+        name = c[0]
+        if name == "ZREM":
+            zrem.setdefault(c[1], []).extend(c[2:])
+        elif name == "HINCRBY":
+            incr[c[1], c[2]] = incr.get((c[1], c[2]), 0) + int(c[3])
+        elif name == "HSET" and len(c) % 2 == 0:
+            fields = hset.setdefault(c[1], {})
+            fields.update(zip(c[2::2], c[3::2]))
+        else:
+            other.append(c)
+    out: list[tuple[Any, ...]] = [("ZREM", k, *dict.fromkeys(ids)) for k, ids in zrem.items()]
+    out += [("HINCRBY", k, f, n) for (k, f), n in incr.items() if n]
+    out += [("HSET", k, *(x for kv in fs.items() for x in kv)) for k, fs in hset.items()]
+    return out + other
 
 
 def _text(x: Any) -> str:
