@@ -59,7 +59,7 @@ def _role(argv: list[str]) -> str:
 
 
 def run_once(
-    impl: str, workload: str, url: str, steps: int, packed: bool = False
+    impl: str, workload: str, url: str, steps: int, pack: bool = True
 ) -> dict[str, Any]:
     """One run of ``impl`` at ``steps`` steps per worker: wall seconds and the CPU
     seconds of each role and of Redis."""
@@ -71,7 +71,7 @@ def run_once(
         os.environ["QPS_BENCH_CPU_DIR"] = d
         try:
             before = _redis_cpu(r)
-            out = ta.run_qps(url, 0, packed) if impl == "qps" else ta.run_raw(workload, url)
+            out = ta.run_qps(url, 0, pack) if impl == "qps" else ta.run_raw(workload, url)
             redis_cpu = _redis_cpu(r) - before
         finally:
             os.environ.pop("QPS_BENCH_CPU_DIR", None)
@@ -139,8 +139,9 @@ def main() -> None:
     ap.add_argument("--impl", choices=("qps", "raw", "both"), default="both")
     ap.add_argument("--scripts", action="store_true",
                     help="also Redis's time per update in each script/command (qps)")  # fmt: skip
-    ap.add_argument("--packed", action="store_true",
-                    help="qps trains packed:<model> (workers.models.Packed)")  # fmt: skip
+    ap.add_argument("--no-pack", action="store_true",
+                    help="qps trains with --no-pack: one variable per parameter (by "
+                    "default the workers pack a small dense model)")  # fmt: skip
     args = ap.parse_args()
     a, b = args.steps
     if not 0 < a < b:
@@ -159,12 +160,12 @@ def main() -> None:
     try:
         r = redis.Redis.from_url(server.url)
         for impl in impls:
-            first = run_once(impl, args.workload, server.url, a, args.packed)
+            first = run_once(impl, args.workload, server.url, a, not args.no_pack)
             if impl == "qps" and args.scripts:
                 r.config_set("slowlog-log-slower-than", 0)
                 r.config_set("slowlog-max-len", 10_000_000)
                 r.slowlog_reset()
-            second = run_once(impl, args.workload, server.url, b, args.packed)
+            second = run_once(impl, args.workload, server.url, b, not args.no_pack)
             if impl == "qps" and args.scripts:
                 costs = script_costs(r, second["updates"])
                 r.config_set("slowlog-log-slower-than", 10_000)

@@ -8,9 +8,11 @@ per worker per update).
 * **qps**: ``workers.launcher.run_job`` with 1 PS shard and 2 workers (``qps train --ps
   1 --workers 2``). T is from the first worker's first step to the last worker's last
   step (wall clock, published by the workers), so process start-up is not counted.
-* **qps packed** (W4, W6; ``--packed``): the same with ``--model packed:<model>``
-  (``workers.models.Packed``: the MLP's four parameters stored as one flat variable,
-  the same arithmetic; docs/models.md).
+  A small dense model is packed by the workers themselves (``qps worker --pack``, the
+  default: the MLP's four parameters stored as one flat variable per shard, the same
+  arithmetic; docs/models.md), as for W4 and W6; W5's model is too large for it.
+* **qps unpacked** (W4, W6; ``--unpacked``): the same with ``--no-pack``: one variable
+  per parameter.
 * **raw**: one PS process and two worker processes with synchronous redis-py clients,
   no qps code. Worker step: ``GET params`` -> NumPy gradient -> ``RPUSH grads`` (worker
   id + gradient) -> ``BLPOP ack:<worker>``. PS: ``BLPOP grads`` -> apply -> ``SET
@@ -27,7 +29,7 @@ bytes) over the whole run of each side (set-up and the final reads included), as
 WORKLOADS.md asks for W5.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
-                                [--packed both|only|no] [--backend auto|numpy|cupy]
+                                [--unpacked both|only|no] [--backend auto|numpy|cupy]
                                 [--grad-dtype float16] [--unix]
 """
 
@@ -269,7 +271,7 @@ def run_raw(workload: str, url: str) -> dict[str, Any]:
 
 
 def run_qps(
-    url: str, rep: int, packed: bool = False, backend: str = "", grad_dtype: str = ""
+    url: str, rep: int, pack: bool = True, backend: str = "", grad_dtype: str = ""
 ) -> dict[str, Any]:
     import redis
 
@@ -280,8 +282,8 @@ def run_qps(
     container = f"bench-{rep}"
     cfg = TrainConfig(
         num_shards=1, num_workers=WORKERS, steps=STEPS, url=url, container=container,
-        model=f"packed:{MODEL}" if packed else MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
-        sync_replicas=WORKERS if SYNC else None, backend=backend, grad_dtype=grad_dtype,
+        model=MODEL, data=DATA, batch_size=BATCH, learning_rate=float(LR),
+        sync_replicas=WORKERS if SYNC else None, backend=backend, grad_dtype=grad_dtype, pack=pack,
     )  # fmt: skip
 
     async def main() -> tuple[Any, dict[str, Any]]:
@@ -311,9 +313,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", choices=["1", "default"], default="1",
                     help="OPENBLAS_NUM_THREADS for every process (default 1)")  # fmt: skip
-    ap.add_argument("--packed", choices=["both", "only", "no"], default=None,
-                    help="qps with the model packed (packed:<model>) too, instead, or not "
-                    "(default: both for W4 and W6, no for W5)")  # fmt: skip
+    ap.add_argument("--unpacked", choices=["both", "only", "no"], default=None,
+                    help="qps with --no-pack (one variable per parameter) too, instead, or "
+                    "not (default: both for W4 and W6, no for W5)")  # fmt: skip
     ap.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="",
                     help="where the qps workers' math runs (qps worker --backend; default: "
                     "$QPS_BACKEND, else auto: CuPy on a CUDA device); raw and numpy always "
@@ -327,8 +329,8 @@ def main() -> None:
                     "alike (default: TCP loopback, as the peers were measured)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    packed = args.packed or ("no" if args.workload == "w5" else "both")
-    impls = {"both": ["qps", "qps packed"], "only": ["qps packed"], "no": ["qps"]}[packed]
+    unpacked = args.unpacked or ("no" if args.workload == "w5" else "both")
+    impls = {"both": ["qps", "qps unpacked"], "only": ["qps unpacked"], "no": ["qps"]}[unpacked]
     if args.threads == "1":
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
     configure(args.workload)
@@ -343,7 +345,7 @@ def main() -> None:
             got["raw"].append(measured(run_raw, args.workload, server.url))
             for k in impls:
                 got[k].append(
-                    measured(run_qps, server.url, rep, k == "qps packed", args.backend,
+                    measured(run_qps, server.url, rep, k == "qps", args.backend,
                              args.grad_dtype)
                 )  # fmt: skip
             print(f"rep {rep}: " + ", ".join(

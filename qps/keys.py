@@ -255,6 +255,12 @@ def ps_placement(container: str) -> str:
     return container_prefix(container) + "ps:placement"
 
 
+def packed_layout(container: str) -> str:
+    """The string (JSON) naming the parameters a packed model stores in its flat
+    variables, and where each lies (qps.packing)."""
+    return container_prefix(container) + "packed"
+
+
 def ps_finished(container: str) -> str:
     """The string set when the job of ``container`` is marked finished."""
     return container_prefix(container) + "ps:finished"

@@ -194,3 +194,37 @@ def test_packed_spec_strings(spec, text, groups):
 def test_packed_spec_errors(spec, message):
     with pytest.raises(InvalidArgumentError, match=message):
         build_model(spec)
+
+
+def test_auto_packed_packs_only_a_small_dense_model():
+    """Training packs a model by itself (qps worker --pack) where that pays: two or
+    more dense parameters of one dtype, no table, at most AUTO_PACK_MAX elements; one
+    part per shard, never more parts than elements."""
+    from workers.models import AUTO_PACK_MAX, auto_packed, packed_inner
+
+    m = MLP([64, 128, 10])
+    one, two = auto_packed(m, 1), auto_packed(m, 2)
+    assert isinstance(one, Packed) and one.spec == "packed:mlp:64,128,10"
+    assert isinstance(two, Packed) and two.groups == 2 and two.spec == "packed:2:mlp:64,128,10"
+    assert auto_packed(one, 3) is one  # packed already
+    assert auto_packed(MLP([1, 1, 2]), 10).groups == 6  # 6 elements: at most 6 parts
+    big = MLP([1024, AUTO_PACK_MAX // 1024, 2])
+    assert big.num_params > AUTO_PACK_MAX and auto_packed(big, 1) is big
+    table = EmbeddingBagMLP([50], 4, dense=2, hidden=[8])
+    assert auto_packed(table, 1) is table  # an embedding table: rows, not one vector
+    assert packed_inner("packed:2:mlp:64,128,10") == "mlp:64,128,10"
+    assert packed_inner("packed:mlp:64,128,10") == "mlp:64,128,10"
+    assert packed_inner("mlp:64,128,10") is None
+
+
+def test_the_layout_names_each_parameter_of_the_parts():
+    from qps.packing import PackLayout
+
+    p = Packed(MLP([6, 4, 3]), 2)
+    layout = p.layout()
+    assert layout.parts == (("packed/0", 21), ("packed/1", 22))
+    assert layout.names() == ["W1", "b1", "W2", "b2"]
+    assert layout.locate("W2") == (28, 40, (4, 3)) and layout.locate("nope") is None
+    assert PackLayout.from_json(layout.to_json()) == layout
+    with pytest.raises(InvalidArgumentError, match="not a packed-model layout"):
+        PackLayout.from_json('{"dtype": "float32"}')

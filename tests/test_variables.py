@@ -716,3 +716,35 @@ async def test_small_reads_come_from_the_copy_every_write_keeps_current(
     big = Variable("big", ((varspec.CHUNK_BYTES // 4) + 1,), np.float32, client=client)
     await big.create()  # over the copy's limit: no copy kept
     assert not await client.commands.exists(big._prefix + "cur")
+
+
+def test_cli_var_reads_a_parameter_of_a_packed_model(redis_url: str, cname: str) -> None:
+    """`qps var ls` names the parameters a packed model stores in its parts, and `qps
+    var get` reads one by its name, from the part (or parts) that hold it."""
+    from qps import packing
+
+    opts = ["--url", redis_url, "--container", cname]
+    joined = np.arange(10, dtype=np.float32)
+
+    async def go() -> None:
+        async with await qps.connect(redis_url) as c:
+            for name, part in (("packed/0", joined[:5]), ("packed/1", joined[5:])):
+                v = qps.Variable(name, (5,), np.float32, initializer=part, client=c, container=cname)
+                await v.create()
+            layout = packing.PackLayout(
+                "float32", (("packed/0", 5), ("packed/1", 5)), (("W", (2, 3)), ("b", (4,)))
+            )
+            await packing.record_layout(c, cname, layout)
+
+    asyncio.run(go())
+    r = invoke("var", "ls", *opts)
+    assert r.exit_code == 0 and "packed in packed/0, packed/1: W, b (qps var get NAME)" in r.output
+    d = json.loads(invoke("var", "get", "W", *opts, "--json").output)
+    assert d["shape"] == [2, 3] and d["values"] == [0, 1, 2, 3, 4, 5]
+    assert d["packed_in"] == ["packed/0", "packed/1"] and d["versions"] == [0, 0]
+    d = json.loads(invoke("var", "get", "b", "--rows", "1:3", *opts, "--json").output)
+    assert d["values"] == [7, 8] and d["packed_in"] == ["packed/1"]
+    r = invoke("var", "get", "b", *opts)
+    assert r.output.startswith(f"{cname}/b: float32 [4], versions 0, packed in packed/1\n")
+    r = invoke("var", "get", "nope", *opts)
+    assert r.exit_code == 3

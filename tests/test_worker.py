@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qps import backend, containers
+from qps import backend, containers, packing
 from qps.errors import InvalidArgumentError
 from qps.optimizers import SGD
 from qps.ps import control
 from tests.test_ps_shard import C, Job
+from workers.models import Packed
 from workers.worker import Worker, WorkerConfig
 
 needs_gpu = pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy and a CUDA device")
@@ -216,3 +217,55 @@ async def test_sync_training_is_single_process_training_of_the_averaged_batches(
     assert model.accuracy(job_params, test) == pytest.approx(
         model.accuracy(params, test), abs=0.003
     )
+
+
+async def test_the_chief_packs_a_small_model_and_the_others_follow(make_client: Any) -> None:
+    """--pack (the default): the chief stores a small dense model joined in one flat
+    variable per shard and records where each parameter lies (`qps var get W1`); a
+    worker told --no-pack trains what the chief chose; another model is refused."""
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C])
+    try:
+        chief = Worker(_cfg(num_workers=3, num_shards=2), await j.session("worker0"))
+        await chief.prepare()
+        assert isinstance(chief.model, Packed) and chief.model.spec == "packed:2:mlp:64,16,10"
+        sess = await j.session("worker1")
+        assert sorted(await sess.list_variables()) == ["packed/0", "packed/1"]
+        other = Worker(_cfg(index=1, num_workers=3, num_shards=2, pack=False), sess)
+        assert not isinstance(other.model, Packed)
+        await other.prepare()
+        assert other.model.spec == chief.model.spec and other.dense == ["packed/0", "packed/1"]
+        got = await sess.pull(["packed/0", "packed/1"])
+        params = chief.model.unpack({n: v.value for n, v in got.items()})  # type: ignore[attr-defined]
+        view = await packing.read_view(client, C, "W1")
+        assert view is not None and view[1] == [("packed/0", 0), ("packed/1", 0)]  # over both
+        assert np.array_equal(view[0], params["W1"])
+        b2 = await packing.read_view(client, C, "b2")
+        assert b2 is not None and np.array_equal(b2[0], params["b2"])
+        assert await packing.read_view(client, C, "W9") is None
+        wrong = Worker(_cfg(index=2, num_workers=3, model="mlp:64,8,10"), sess)
+        with pytest.raises(InvalidArgumentError, match="the job's model is 'packed:2:mlp:64,16"):
+            await wrong.prepare()
+    finally:
+        await j.close()
+
+
+async def test_a_container_holding_the_model_unpacked_keeps_it(make_client: Any) -> None:
+    """A chief that finds the model's variables stored one per parameter (a job started
+    with --no-pack, or before packing was the default) trains those, unpacked."""
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C])
+    try:
+        first = Worker(_cfg(pack=False), await j.session("worker0"))
+        await first.prepare()
+        names = ["W1", "W2", "b1", "b2"]
+        assert sorted(await first.sess.list_variables()) == names
+        again = Worker(_cfg(), await j.session("worker0"))
+        assert isinstance(again.model, Packed)
+        await again.prepare()
+        assert not isinstance(again.model, Packed) and again.dense == ["W1", "b1", "W2", "b2"]
+        assert sorted(await again.sess.list_variables()) == names  # nothing packed made
+    finally:
+        await j.close()

@@ -99,6 +99,8 @@ class TrainConfig:
     #: the dtype the workers send gradients in (``qps worker --grad-dtype``); "": the
     #: variables' own
     grad_dtype: str = ""
+    #: store a small dense model packed (``qps worker --pack``)
+    pack: bool = True
     extra_worker_args: list[str] = field(default_factory=list)
 
     def metrics_ports(self) -> dict[str, int]:
@@ -137,6 +139,8 @@ class TrainConfig:
             args += ["--backend", self.backend]
         if self.grad_dtype:
             args += ["--grad-dtype", self.grad_dtype]
+        if not self.pack:
+            args.append("--no-pack")
         return args + self._metrics_args(f"worker{index}") + self.extra_worker_args
 
     def shard_args(self, index: int, url: str, container: str) -> list[str]:
@@ -367,7 +371,8 @@ async def evaluate(
     """The test metric of the job's final parameters (built-in data sets only)."""
     if cfg.data not in BUILTIN:
         return None
-    model = build_model(cfg.model)
+    ready = await job.is_ready(client, container)  # the model the chief trained
+    model = build_model(str(ready["model"]) if ready else cfg.model)
     _, test = await asyncio.to_thread(builtin_split, cfg.data, model)
     async with qps.Session(client=client, container=container) as sess:
         return await evaluate_params(sess, model, test)

@@ -59,12 +59,13 @@ from typing import Any
 import numpy as np
 
 import qps
-from qps import backend, checkpoint, curves
+from qps import backend, checkpoint, curves, packing
 from qps import metrics as _metrics
 from qps.errors import (
     AbortedError,
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     OutOfRangeError,
@@ -77,7 +78,17 @@ from qps.queues.waiters import LEASE_MS
 from qps.variables import ReadPlan, VariableValue
 from workers import job
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
-from workers.models import Model, Rows, build_model, grads_to_host, narrowed, params_to
+from workers.models import (
+    Model,
+    Packed,
+    Rows,
+    auto_packed,
+    build_model,
+    grads_to_host,
+    narrowed,
+    packed_inner,
+    params_to,
+)
 
 __all__ = ["GRAD_DTYPES", "INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
 
@@ -145,6 +156,9 @@ class WorkerConfig:
     #: the dtype gradients travel in ("" : the variables' own); "float16" halves the
     #: bytes of float32 gradients, the shard widens them before the apply
     grad_dtype: str = ""
+    #: store a small dense model's parameters packed into one flat variable per PS shard
+    #: (workers.models.auto_packed); the chief decides for the job, the others follow
+    pack: bool = True
 
     def check(self) -> None:
         """Raises InvalidArgumentError for settings that cannot work."""
@@ -297,6 +311,11 @@ def _split(
     return {n: v.value for n, v in got.items()}, {n: v.version for n, v in got.items()}
 
 
+def _names(model: Model) -> set[str]:
+    """The variables ``model`` trains."""
+    return {p.name for p in model.params_spec()}
+
+
 class Worker:
     """One worker process's training loop (use :func:`run_worker`)."""
 
@@ -306,19 +325,10 @@ class Worker:
         cfg.check()
         self.cfg = cfg
         self.sess = sess
-        self.model: Model = build_model(cfg.model)
-        spec = self.model.params_spec()
-        self.dense = [p.name for p in spec if not p.sparse]
-        self.sparse = [p.name for p in spec if p.sparse]
-        small = sum(p.size for p in spec if not p.sparse) <= INLINE_PARAMS
-        self.xp = cfg.array_module()
-        if small and cfg.backend_choice() == "auto":
-            # a small model's step is faster on the host: W4's MLP took 0.08 ms in
-            # NumPy and 0.68 ms in CuPy on an H200 (kernel launches and copies)
-            self.xp = np
-        #: a model small enough computes on the event loop's thread; on a GPU every
-        #: step goes to a thread, which waits for the device while the loop runs on
-        self.inline = self.xp is np and small
+        #: the model --model names, and the one trained: it packed where that pays
+        #: (cfg.pack; the chief's choice is the job's, see prepare)
+        self.base: Model = build_model(cfg.model)
+        self._use(auto_packed(self.base, cfg.num_shards or 1) if cfg.pack else self.base)
         self.names = [f"worker{k}" for k in range(cfg.num_workers)]
         self.grad_dtype = np.dtype(cfg.grad_dtype) if cfg.grad_dtype else None
         self.stop = asyncio.Event()
@@ -327,23 +337,47 @@ class Worker:
         self.curves: curves.ScalarWriter | None = None
         self._stale_seen: dict[int, int] = {}  # staleness histogram at the last curve point
 
+    def _use(self, model: Model) -> None:
+        """Train ``model`` (the one --model names, or it packed)."""
+        self.model = model
+        spec = model.params_spec()
+        self.dense = [p.name for p in spec if not p.sparse]
+        self.sparse = [p.name for p in spec if p.sparse]
+        small = sum(p.size for p in spec if not p.sparse) <= INLINE_PARAMS
+        self.xp = self.cfg.array_module()
+        if small and self.cfg.backend_choice() == "auto":
+            # a small model's step is faster on the host: W4's MLP took 0.08 ms in
+            # NumPy and 0.68 ms in CuPy on an H200 (kernel launches and copies)
+            self.xp = np
+        #: a model small enough computes on the event loop's thread; on a GPU every
+        #: step goes to a thread, which waits for the device while the loop runs on
+        self.inline = self.xp is np and small
+
     # -- set-up ------------------------------------------------------------------------
     async def prepare(self) -> None:
-        """The chief initialises or restores the model; every worker then waits for it."""
+        """The chief initialises or restores the model; every worker then waits for it.
+
+        The job's model is the chief's: the others train it packed or not as the chief
+        does (the model --model names either way; another model is an error)."""
         cfg, client = self.cfg, self.sess.client
         if cfg.index == 0:
             how = await self._initialise()
-            await job.mark_ready(
-                client, cfg.container, cfg.num_workers, {"model": cfg.model, "from": how}
-            )
-            log.info("%s: model %s ready (%s)", cfg.name, cfg.model, how)
+            spec = self.model.spec
+            ready = {"model": spec, "from": how}
+            await job.mark_ready(client, cfg.container, cfg.num_workers, ready)
+            log.info("%s: model %s ready (%s)", cfg.name, spec, how)
         else:
             log.info("%s: waiting for the chief to make the model ready", cfg.name)
         info = await job.wait_ready(client, cfg.container, cfg.index, cfg.ready_timeout)
-        if info.get("model") != cfg.model:
+        theirs = str(info.get("model"))
+        if theirs == self.model.spec:
+            return
+        if (packed_inner(theirs) or theirs) != self.base.spec:
             raise InvalidArgumentError(
-                f"the job's model is {info.get('model')!r}, this worker was given {cfg.model!r}"
+                f"the job's model is {theirs!r}, this worker was given {cfg.model!r}"
             )
+        log.info("%s: the job trains %s (the chief's choice): so do I", cfg.name, theirs)
+        self._use(build_model(theirs))
 
     async def _initialise(self) -> str:
         """Restore the newest checkpoint into an empty container, else create every
@@ -352,17 +386,33 @@ class Worker:
         cfg, client = self.cfg, self.sess.client
         how = ""
         existing = set(await self.sess.list_variables())
-        wanted = {p.name for p in self.model.params_spec()}
+        wanted = _names(self.model)
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is not None and not wanted <= existing:
             if await checkpoint.container_is_empty(client, cfg.container):
                 info = await checkpoint.restore(self.sess, path)
                 how = f"restored {path} (global step {info.global_step})"
+                existing = set(await self.sess.list_variables())
             else:
                 log.warning(
                     "%s: container '%s' is not empty: checkpoint %s not restored",
                     cfg.name, cfg.container, path,
                 )  # fmt: skip
+        # the container (or the checkpoint) may hold the model stored the other way,
+        # packed or not: go on with what it holds
+        others = [self.base, auto_packed(self.base, cfg.num_shards or 1)]
+        held = next((m for m in others if _names(m) <= existing), None)
+        if not wanted <= existing and held is not None:
+            log.info("%s: the stored variables are %s's: training that", cfg.name, held.spec)
+            self._use(held)
+            wanted = _names(held)
+        if how and not wanted <= existing:
+            raise FailedPreconditionError(
+                f"checkpoint {path} does not hold the variables of {self.model.spec!r} "
+                f"(missing: {', '.join(sorted(wanted - existing))})"
+            )
+        if isinstance(self.model, Packed):  # `qps var get W1` reads it from the parts
+            await packing.record_layout(client, cfg.container, self.model.layout())
         if not how:
             variables = self.model.variables(  # type: ignore[attr-defined]
                 np.random.default_rng(0), container=cfg.container, client=client

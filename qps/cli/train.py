@@ -43,7 +43,7 @@ CONFIG_KEYS = {
     "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
     "max_group", "max_message_mib", "metrics_port", "metrics_addr",
     "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
-    "grad_dtype",
+    "grad_dtype", "pack",
 }  # fmt: skip
 
 
@@ -195,6 +195,12 @@ def _load_config(path: str) -> dict[str, Any]:
     help="The workers send gradients in this narrower float dtype (see `qps worker "
     "--grad-dtype`) [the variables' dtype].",
 )
+@click.option(
+    "--pack/--no-pack",
+    default=None,
+    help="Store a small dense model's parameters packed into one flat variable per "
+    "PS shard (see `qps worker --pack`; `qps var get W1` still works) [pack].",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
 def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
@@ -250,6 +256,8 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
             backend.choose(str(merged["backend"]), "backend")
         except (ValueError, RuntimeError) as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
+    if not isinstance(merged.get("pack", True), bool):
+        raise CliError(f"pack must be true or false, got {merged['pack']!r}", EXIT_USAGE)
     if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
         raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
     sync_replicas = None

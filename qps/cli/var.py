@@ -2,7 +2,8 @@
 
 ``ls`` and ``stat`` read the variables' meta (:func:`qps.variables.variable_stats`);
 ``get`` reads values (:meth:`qps.Variable.read`, :meth:`~qps.Variable.read_rows`). A
-NAME that is a partitioned variable (parts ``NAME/part_<i>``) is read as a whole.
+NAME that is a partitioned variable (parts ``NAME/part_<i>``) is read as a whole, and
+one that is a parameter of a packed model (:mod:`qps.packing`) from its parts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import click
 import numpy as np
 
+from qps import packing
 from qps.cli import (
     EXIT_USAGE,
     CliError,
@@ -71,7 +73,9 @@ def var() -> None:
 # -- ls ------------------------------------------------------------------------------------
 
 
-async def _ls(url: str | None, container: str) -> list[VariableStats]:
+async def _ls(
+    url: str | None, container: str
+) -> tuple[list[VariableStats], packing.PackLayout | None]:
     async with connected(url) as client:
         out = []
         for name in await list_variables(client, container):
@@ -79,7 +83,7 @@ async def _ls(url: str | None, container: str) -> list[VariableStats]:
                 out.append(await variable_stats(client, name, container, memory=False))
             except NotFoundError:  # deleted between the listing and now
                 continue
-        return out
+        return out, await packing.read_layout(client, container)
 
 
 @var.command(name="ls")
@@ -90,10 +94,12 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     """List the variables of a container.
 
     Columns: name, dtype, shape, size, published version, fencing token, trainable,
-    and for a part of a partitioned variable its index/count and whole name. With
-    --json, a list of the full statistics of each variable (as `qps var stat --json`).
+    and for a part of a partitioned variable its index/count and whole name. The
+    parameters of a packed model (stored joined in packed/0, packed/1...: `qps worker
+    --pack`) are named below the table; `qps var get` reads each. With --json, a list
+    of the full statistics of each variable (as `qps var stat --json`).
     """
-    stats = run_async(_ls(url, container))
+    stats, layout = run_async(_ls(url, container))
     if json:
         _echo_json([s.as_dict() for s in stats])
         return
@@ -116,6 +122,9 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     ]
     for line in _table(header, rows, right={3, 4, 5}):
         click.echo(line)
+    if layout is not None:
+        parts = ", ".join(n for n, _ in layout.parts)
+        click.echo(f"packed in {parts}: {', '.join(layout.names())} (qps var get NAME)")
 
 
 # -- stat ----------------------------------------------------------------------------------
@@ -253,7 +262,10 @@ async def _get(
             target = await open_variable(client, name, container)
         except NotFoundError:
             if name not in await list_partitioned(client, container):
-                raise
+                view = await packing.read_view(client, container, name)
+                if view is None:
+                    raise
+                return _view_info(name, container, view, rows)
             target = await open_partitioned_variable(client, name, container)
         if not target.shape and rows is not None:
             raise CliError(f"variable '{name}' is a scalar: --rows does not apply", EXIT_USAGE)
@@ -276,6 +288,28 @@ async def _get(
             value, version = await (target.read() if idx is None else target.read_rows(idx))
             info["version"] = version
         return info, value, idx
+
+
+def _view_info(
+    name: str,
+    container: str,
+    view: tuple[np.ndarray, list[tuple[str, int]]],
+    rows: str | None,
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray | None]:
+    """``_get``'s answer for a parameter of a packed model (read whole from its parts)."""
+    value, read = view
+    if not value.shape and rows is not None:
+        raise CliError(f"variable '{name}' is a scalar: --rows does not apply", EXIT_USAGE)
+    idx = None if rows is None else parse_rows(rows, value.shape[0])
+    info: dict[str, Any] = {
+        "name": name,
+        "container": container,
+        "dtype": dtype_name(value.dtype),
+        "shape": list(value.shape),
+        "packed_in": [part for part, _ in read],
+        "versions": [version for _, version in read],
+    }
+    return info, (value if idx is None else value[idx]), idx
 
 
 def _plain(arr: np.ndarray) -> np.ndarray:
@@ -316,10 +350,12 @@ def get_command(
 
     The value is an exact snapshot at the version printed. A partitioned variable is
     read part by part (one version per part, "-" for a part none of the rows is in);
-    its --rows are rows of the whole variable. With --json: {"name", "container",
-    "dtype", "shape", "version" (or "versions"), "rows", "value_shape", "values"
-    (flattened, C order, at most --limit), "truncated"}. Exits with 3 if there is no
-    such variable, 2 for bad --rows.
+    its --rows are rows of the whole variable. A parameter of a packed model (`qps
+    worker --pack`: stored joined in packed/0, packed/1...) is read from the parts
+    that hold it ("packed_in", with their versions). With --json: {"name",
+    "container", "dtype", "shape", "version" (or "versions"), "rows", "value_shape",
+    "values" (flattened, C order, at most --limit), "truncated"}. Exits with 3 if
+    there is no such variable, 2 for bad --rows.
     """
     info, value, idx = run_async(_get(url, container, name, rows))
     if json:
@@ -337,6 +373,8 @@ def get_command(
         else "versions " + ", ".join("-" if v is None else str(v) for v in info["versions"])
     )
     what = "" if idx is None else f", rows {rows} ({idx.size})"
+    if "packed_in" in info:
+        what += f", packed in {', '.join(info['packed_in'])}"
     click.echo(
         f"{container}/{name}: {info['dtype']} {format_shape(info['shape'])}, {version}{what}"
     )

@@ -122,6 +122,17 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "dead-letters the message. Default: the variables' dtype.",
 )
 @click.option(
+    "--pack/--no-pack",
+    default=True,
+    show_default=True,
+    help="Store a small dense model's parameters (two or more of one dtype, no "
+    "embedding table, at most 262,144 elements) joined into one flat variable per PS "
+    "shard, packed/0, packed/1...: a shard commits and a worker reads one variable "
+    "instead of one per parameter, much faster for small models. `qps var get W1` "
+    "still reads a parameter by its name. The chief decides for the job (and keeps "
+    "the variables a container or checkpoint already holds); the others follow.",
+)
+@click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False),
     default=None,

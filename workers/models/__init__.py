@@ -27,10 +27,11 @@ from workers.models.base import (
 )
 from workers.models.embbag import EmbeddingBagMLP
 from workers.models.mlp import MLP, SoftmaxRegression
-from workers.models.packed import Packed
+from workers.models.packed import AUTO_PACK_MAX, Packed, auto_packed, packed_inner
 from workers.models.registry import build_model, model_names, register_model
 
 __all__ = [
+    "AUTO_PACK_MAX",
     "MLP",
     "BaseModel",
     "EmbeddingBagMLP",
@@ -41,12 +42,14 @@ __all__ = [
     "Rows",
     "SoftmaxRegression",
     "SparseGradient",
+    "auto_packed",
     "build_model",
     "check_params",
     "grads_to_host",
     "he_normal",
     "model_names",
     "narrowed",
+    "packed_inner",
     "params_to",
     "register_model",
 ]

@@ -28,6 +28,7 @@ import numpy as np
 
 from qps.backend import xp_of
 from qps.errors import InvalidArgumentError
+from qps.packing import PackLayout, layout_of
 from workers.models.base import (
     Array,
     BaseModel,
@@ -38,10 +39,42 @@ from workers.models.base import (
     ParamSpec,
 )
 
-__all__ = ["PACK_PREFIX", "Packed"]
+__all__ = ["AUTO_PACK_MAX", "PACK_PREFIX", "Packed", "auto_packed", "packed_inner"]
 
 #: the parts are named ``packed/<k>``
 PACK_PREFIX = "packed/"
+#: the most dense elements of a model that training packs by itself (qps worker
+#: --pack): 1 MiB of float32. A larger model's cost is its bytes, not its variables.
+AUTO_PACK_MAX = 1 << 18
+
+
+def packed_inner(spec: str) -> str | None:
+    """The inner model's spec of a packed model's spec (``packed:[GROUPS:]INNER``);
+    None for any other spec."""
+    name, _, options = spec.strip().partition(":")
+    if name.strip().lower() != Packed.kind:
+        return None
+    groups, colon, rest = options.partition(":")
+    return rest if colon and groups.strip().isdigit() else options
+
+
+def auto_packed(model: Model, shards: int) -> Model:
+    """``model`` packed into one part per PS shard (``shards``, capped by its number of
+    elements) when packing pays: two or more dense parameters of one dtype, no sparse
+    one, at most :data:`AUTO_PACK_MAX` elements in all; else ``model`` itself (and a
+    model packed already)."""
+    if isinstance(model, Packed):
+        return model
+    specs = model.params_spec()
+    if len(specs) < 2 or any(p.sparse for p in specs) or len({p.dtype for p in specs}) > 1:
+        return model
+    size = sum(p.size for p in specs)
+    if size > AUTO_PACK_MAX:
+        return model
+    try:
+        return Packed(model, max(1, min(int(shards), size)))
+    except InvalidArgumentError:  # a parameter already named packed/<k>
+        return model
 
 
 class Packed(BaseModel):
@@ -91,6 +124,12 @@ class Packed(BaseModel):
             at += p.size
         count = f"{groups}:" if groups > 1 else ""
         self.spec = f"{self.kind}:{count}{model.spec}"
+
+    def layout(self) -> PackLayout:
+        """Where each packed parameter lies in the parts (the chief records it:
+        :mod:`qps.packing`, ``qps var get W1``)."""
+        lengths = [self._bounds[k + 1] - self._bounds[k] for k in range(self.groups)]
+        return layout_of(self.dtype, list(zip(self._names, lengths)), self._dense)
 
     @property
     def part_names(self) -> list[str]:
