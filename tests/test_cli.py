@@ -681,3 +681,17 @@ def test_drain_closed_queue_and_varying_shapes(
 def test_drain_missing_queue_exit_3(redis_url: str, container: str) -> None:
     r = CliRunner().invoke(cli, qargs("drain", redis_url, container, "nope", "--yes"))
     assert r.exit_code == 3
+
+
+def test_commands_run_on_uvloop_unless_asked_for_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands (and so the roles) run on uvloop's event loop where it is installed
+    (a dependency on Linux); QPS_EVENT_LOOP=asyncio picks the standard one."""
+    from qps.cli import run_async
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    monkeypatch.delenv("QPS_EVENT_LOOP", raising=False)
+    assert run_async(which()) == "uvloop"
+    monkeypatch.setenv("QPS_EVENT_LOOP", "asyncio")
+    assert run_async(which()) == "asyncio"

@@ -156,8 +156,10 @@ async def test_the_shard_dead_letters_an_oversize_message(
     await sess.push({"small": np.ones(4)})  # behind it, applied
     await job.shard()
 
-    async def settled() -> bool:
-        return await sess.global_step() == 1 and await queue.size() == 0
+    async def settled() -> bool:  # the stats are written after the apply and the ack
+        st = await control.shard_status(sess.client, C, 0)
+        done = await sess.global_step() == 1 and await queue.size() == 0
+        return done and (st.applied, st.dead_letters) == (1, 1)
 
     await until(settled, timeout=30)
     st = await control.shard_status(sess.client, C, 0)
