@@ -267,15 +267,7 @@ async def _get(
                     raise
                 return _view_info(name, container, view, rows)
             target = await open_partitioned_variable(client, name, container)
-        if not target.shape and rows is not None:
-            raise CliError(f"variable '{name}' is a scalar: --rows does not apply", EXIT_USAGE)
-        idx = None if rows is None else parse_rows(rows, target.shape[0])
-        info: dict[str, Any] = {
-            "name": name,
-            "container": container,
-            "dtype": dtype_name(target.dtype),
-            "shape": list(target.shape),
-        }
+        info, idx = _head(name, container, target.dtype, tuple(target.shape), rows)
         if isinstance(target, PartitionedVariable):
             info["parts"] = len(target)
             if idx is None:
@@ -298,18 +290,25 @@ def _view_info(
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray | None]:
     """``_get``'s answer for a parameter of a packed model (read whole from its parts)."""
     value, read = view
-    if not value.shape and rows is not None:
-        raise CliError(f"variable '{name}' is a scalar: --rows does not apply", EXIT_USAGE)
-    idx = None if rows is None else parse_rows(rows, value.shape[0])
-    info: dict[str, Any] = {
-        "name": name,
-        "container": container,
-        "dtype": dtype_name(value.dtype),
-        "shape": list(value.shape),
-        "packed_in": [part for part, _ in read],
-        "versions": [version for _, version in read],
-    }
+    info, idx = _head(name, container, value.dtype, value.shape, rows)
+    info["packed_in"] = [part for part, _ in read]
+    info["versions"] = [version for _, version in read]
     return info, (value if idx is None else value[idx]), idx
+
+
+def _head(
+    name: str, container: str, dtype: Any, shape: tuple[int, ...], rows: str | None
+) -> tuple[dict[str, Any], np.ndarray | None]:
+    """``_get``'s answer's first fields, and the rows of ``--rows`` (None: all).
+
+    Raises:
+        CliError: --rows of a scalar, or bad --rows (exit 2).
+    """
+    if not shape and rows is not None:
+        raise CliError(f"variable '{name}' is a scalar: --rows does not apply", EXIT_USAGE)
+    idx = None if rows is None else parse_rows(rows, shape[0])
+    info = {"name": name, "container": container, "dtype": dtype_name(dtype), "shape": list(shape)}
+    return info, idx
 
 
 def _plain(arr: np.ndarray) -> np.ndarray:
