@@ -98,7 +98,7 @@ async def read_layout(client: Client, container: str) -> PackLayout | None:
 
 
 async def read_view(
-    client: Client, container: str, name: str, layout: PackLayout | None = None
+    client: Client, container: str, name: str
 ) -> tuple[np.ndarray, list[tuple[str, int]]] | None:
     """Packed parameter ``name``'s value, read from the parts that hold it, with the
     ``(part, version)`` each was read at (a value spread over two parts is two reads,
@@ -107,7 +107,7 @@ async def read_view(
     Raises:
         NotFoundError: a part is gone (the container was reset meanwhile).
     """
-    layout = layout or await read_layout(client, container)
+    layout = await read_layout(client, container)
     where = None if layout is None else layout.locate(name)
     if layout is None or where is None:
         return None

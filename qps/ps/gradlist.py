@@ -79,14 +79,28 @@ _TAG = "glist:"
 # KEYS: the processing list, the shard's lease. ARGV: token, tombstone, how many to drop
 # from the front, then the indices to overwrite with the tombstone (before the drop).
 # Refused (0) unless the lease holds the token.
-_ACK = """
-local v = redis.call('GET', KEYS[2])
-if not v or string.match(v, '^(%d+) ') ~= ARGV[1] then return 0 end
-for i = 4, #ARGV do redis.call('LSET', KEYS[1], ARGV[i], ARGV[2]) end
+#: Lua: ``holds(lease, token)``, whether the lease value (``"<token> <owner>"``) at key
+#: ``lease`` names ``token``; ``pop_front(proc, n)`` drops the first ``n`` elements of a
+#: processing list. Shared by the ack script and a synchronous shard's token script.
+POP_FRONT_LUA = """
+local function holds(lease, token)
+  local v = redis.call('GET', lease)
+  return v and string.match(v, '^(%d+) ') == token
+end
 -- LTRIM, not LPOP: the popped messages would be copied into Lua strings (~1 us per KB)
-if tonumber(ARGV[3]) > 0 then redis.call('LTRIM', KEYS[1], ARGV[3], -1) end
+local function pop_front(proc, n)
+  if tonumber(n) > 0 then redis.call('LTRIM', proc, n, -1) end
+end
+"""
+_ACK = (
+    POP_FRONT_LUA
+    + """
+if not holds(KEYS[2], ARGV[1]) then return 0 end
+for i = 4, #ARGV do redis.call('LSET', KEYS[1], ARGV[i], ARGV[2]) end
+pop_front(KEYS[1], ARGV[3])
 return 1
 """
+)
 
 # KEYS: a processing list, the list. Moves the processing list's elements (tombstones
 # dropped) to the front of the list, in order, and deletes it. Returns how many.

@@ -79,7 +79,7 @@ from qps.errors import (
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
-from qps.ps.gradlist import GradientList, credit_commands, is_list_delivery
+from qps.ps.gradlist import POP_FRONT_LUA, GradientList, credit_commands, is_list_delivery
 from qps.ps.messages import (
     GradientMessage,
     SparseGradient,
@@ -202,7 +202,9 @@ return {n, redis.call('INCRBY', KEYS[1], n)}
 # Reply: {code, acked}: code 1 tokens given; 2 counted, another shard gives them; 0 the
 # update is not (all) committed: nothing done. acked: 1 trimmed, 0 the lease is
 # another's (nothing trimmed), -1 not asked (or code 0).
-_TOKENS_IF_COMMITTED = """
+_TOKENS_IF_COMMITTED = (
+    POP_FRONT_LUA
+    + """
 local n = tonumber(ARGV[1])
 local last = #KEYS
 if #ARGV > n + 5 then last = last - 2 end
@@ -217,10 +219,9 @@ local gs, done = KEYS[last - 1], KEYS[last]
 if gs ~= '' and not redis.call('ZSCORE', gs, 'sync.' .. step) then return {0, -1} end
 local acked = -1
 if last < #KEYS then
-  local v = redis.call('GET', KEYS[last + 2])
   acked = 0
-  if v and string.match(v, '^(%d+) ') == ARGV[n + 6] then
-    redis.call('LTRIM', KEYS[last + 1], ARGV[n + 7], -1)
+  if holds(KEYS[last + 2], ARGV[n + 6]) then
+    pop_front(KEYS[last + 1], ARGV[n + 7])
     acked = 1
   end
 end
@@ -232,6 +233,7 @@ end
 for i = n + 1, last - 2 do redis.call('RPUSH', KEYS[i], step) end
 return {1, acked}
 """
+)
 
 
 def dead_holder(value: str) -> bool:
@@ -1728,7 +1730,7 @@ class Shard:
             gl = self._list
             front = None
             listed = bool(deliveries) and all(is_list_delivery(d) for d in deliveries)
-            if gl is not None and not self.client.cluster and listed:
+            if gl is not None and listed:  # (no list on a cluster)
                 front = gl.front_ack(deliveries)
             failed, handed, acked = await self._commit_all(
                 pending, g.touched, 1, gs_ids, tokens=self.sync_step + 1, ack=front
