@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import fakeredis
 import pytest
@@ -35,6 +35,8 @@ import redis
 
 from qps import embedded, transport
 from qps.embedded import EmbeddedServer
+
+T = TypeVar("T")
 
 
 def _backends() -> list[str]:
@@ -390,14 +392,27 @@ def queue_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ps_client, "LIST_MAX_BYTES", -1)
 
 
-async def until(pred: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Wait (in a test) until ``pred()`` is true; fail after ``timeout`` seconds."""
+async def until(pred: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
+    """Wait (in a test) until ``pred()`` is true; fail after ``timeout`` seconds with a
+    message naming ``what`` did not happen (the predicate's name when not given)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not await pred():
         if loop.time() > end:
-            raise AssertionError("condition not reached in time")
+            name = what or getattr(pred, "__name__", "the condition")
+            raise AssertionError(f"not reached in {timeout:g} s: {name}")
         await asyncio.sleep(0.01)
+
+
+async def within(aw: Awaitable[T], timeout: float, what: str) -> T:
+    """Await ``aw`` for at most ``timeout`` seconds; past that, cancel it (as
+    :func:`cancel_all` does) and fail with a message naming ``what`` did not happen."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        await cancel_all([task])
+        raise AssertionError(f"not done in {timeout:g} s: {what}")
+    return task.result()
 
 
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]], tries: int = 20) -> None:
@@ -419,3 +434,40 @@ async def cancel_all(tasks: Sequence[asyncio.Task[Any]], tries: int = 20) -> Non
 
 def pending(task: asyncio.Task[Any]) -> bool:
     return not task.done()
+
+
+async def blocked_clients(client: transport.Client) -> int:
+    """How many clients the server that ``client`` reaches holds blocked in a blocking
+    command (``BLPOP``...): a real server's ``INFO clients`` ``blocked_clients`` (summed
+    over a cluster's nodes). fakeredis reports none (no ``INFO``, and ``CLIENT LIST``
+    does not say who blocks), so there it is the count of its server's connections
+    parked in a blocking command (the record its ``CLIENT UNBLOCK`` reads)."""
+    pool = getattr(client.commands, "connection_pool", None)
+    server = None if pool is None else pool.connection_kwargs.get("server")
+    if isinstance(server, fakeredis.FakeServer):
+        return sum(1 for s in list(server.sockets) if getattr(s, "_blocked", False))
+    if client.cluster:
+        infos = await client.commands.info("clients", target_nodes="all")
+        if "blocked_clients" in infos:  # one node answered
+            return int(infos["blocked_clients"])
+        return sum(int(i["blocked_clients"]) for i in infos.values())
+    return int((await client.commands.info("clients"))["blocked_clients"])
+
+
+async def until_blocked(
+    client: transport.Client,
+    n: int = 1,
+    *,
+    task: asyncio.Future[Any] | None = None,
+    timeout: float = 10.0,
+    what: str = "",
+) -> None:
+    """Wait until the server that ``client`` reaches holds at least ``n`` clients blocked
+    (:func:`blocked_clients`), i.e. a waiter has checked its condition and sent its
+    blocking command; stop early when ``task`` (the waiter) has ended, so that a test's
+    ``assert pending(task)`` fails at once rather than after ``timeout``."""
+
+    async def blocked() -> bool:
+        return (task is not None and task.done()) or await blocked_clients(client) >= n
+
+    await until(blocked, timeout, what or f"{n} client(s) blocked in Redis")

@@ -30,7 +30,7 @@ from qps.errors import DataLossError, FailedPreconditionError, NotFoundError
 from qps.optimizers import Adam
 from qps.ps import control
 from qps.variables import open_variable
-from tests.conftest import until
+from tests.conftest import blocked_clients, until, until_blocked
 
 C = "job"
 
@@ -230,8 +230,11 @@ async def test_a_hold_makes_writes_wait_for_the_release(
     await client.commands.eval(checkpoint._SNAPSHOT, 1, meta, "s1", 60_000, 60_000)
     task = asyncio.create_task(v.publish(np.ones(4), 1, 1))
     await until(lambda: _true(refused))
+    await until_blocked(client, task=task, what="the refused publish blocked in BLPOP")
     assert await client.commands.eval(checkpoint._RELEASE, 1, meta, "s2") == 0
-    await asyncio.sleep(0.2)  # no timing measured: it must still be waiting after this
+    # another snapshot's release left s1's hold in place and woke no one: still waiting
+    assert await client.commands.hget(meta, "hold_by") == b"s1"
+    assert await blocked_clients(client) >= 1 and refused == ["held"]
     assert not task.done() and await v.version() == 0
     assert await client.commands.eval(checkpoint._RELEASE, 1, meta, "s1") == 1
     await asyncio.wait_for(task, 10)

@@ -608,8 +608,19 @@ def test_demo_sigterm_stops_children_and_server() -> None:
         lines = [proc.stdout.readline() for _ in range(3)]  # title, server, queue
         m = re.search(r"at unix://(/\S+)/redis\.sock \(pid (\d+)\)", lines[1])
         assert m is not None, lines
-        assert lines[2].startswith("queue:")
-        time.sleep(1.0)  # the children are running now
+        q = re.match(r"queue:\s+(\S+)/(\S+),", lines[2])
+        assert q is not None, lines
+        url = f"unix://{m.group(1)}/redis.sock"
+
+        async def moved() -> int:  # elements the consumer took from the producer
+            async with await qps.connect(url) as c:
+                return (await queue_stats(c, q.group(2), q.group(1))).dequeued_total
+
+        deadline = time.monotonic() + 60
+        while not asyncio.run(moved()):  # until both children are at work
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the demo's children moved no element"
+            time.sleep(0.05)  # paces the poll
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -25,7 +25,7 @@ from qps import checkpoint, keys, transport
 from qps.cli.main import cli
 from qps.containers import reset
 from qps.errors import InvalidArgumentError, UnavailableError
-from tests.conftest import BACKENDS
+from tests.conftest import BACKENDS, until_blocked
 
 needs_cluster = pytest.mark.skipif(
     "cluster" not in BACKENDS, reason="the cluster backend is off (QPS_TEST_CLUSTER=1)"
@@ -233,7 +233,7 @@ async def test_a_queue_whose_slot_moves_keeps_working(cluster_url: str) -> None:
         await q.enqueue(2)
         assert int(await q.dequeue()) == 1
         waiting = asyncio.ensure_future(p.dequeue_many(3))  # blocks: one element stored
-        await asyncio.sleep(0.3)
+        await until_blocked(other, task=waiting, what="the dequeue_many blocked in BLPOP")
         old, new = await asyncio.to_thread(_move_slot, cluster_url, q._keys[0])
         assert old != new
         await q.enqueue_many([np.array([3, 4])])  # MOVED, then sent to the new owner

@@ -20,15 +20,17 @@ import os
 import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
 import pytest
 
-from qps import transport
+from qps import resp, transport
 from qps.embedded import find_server_binary
 from qps.errors import DeadlineExceededError, UnavailableError
 from qps.queues import FIFOQueue
+from tests.conftest import blocked_clients, until, until_blocked
 
 C = "cut"
 
@@ -38,6 +40,7 @@ class CutProxy:
     :meth:`cut` resets every proxied connection."""
 
     def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
         u = urlparse(upstream)
         self.unix = u.path if u.scheme == "unix" else None
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
@@ -124,9 +127,53 @@ async def proxy(request: pytest.FixtureRequest) -> AsyncIterator[CutProxy]:
         await p.close()
 
 
-async def _settle() -> None:
-    """Let the client's event loop take in the resets (they arrive at once on loopback)."""
-    await asyncio.sleep(0.2)
+def _connections(*clients: transport.Client) -> list[Any]:
+    """Every connection ``clients`` hold now: their lean ones (scripts, waits, bulk
+    reads) and those of their two redis-py pools, idle or in use."""
+    conns: list[Any] = []
+    for c in clients:
+        conns += [x for x in (c._lean, *c._idle, *c._busy, *c._bulk) if x is not None]
+        for r in (c.commands, c.blocking):
+            pool = r.connection_pool
+            conns += [*pool._available_connections, *pool._in_use_connections]
+    return conns
+
+
+def _known_dead(conn: Any) -> bool:
+    """Whether the client has taken in the reset of ``conn``: what it checks before it
+    uses a connection again (a lean one is closed; a pooled redis-py one's stream holds
+    the error, see transport._Pool, or is at its end, or it never connected)."""
+    if isinstance(conn, (resp.Connection, resp.BulkReader)):
+        return conn.closed
+    reader = getattr(conn, "_reader", None)
+    return reader is None or reader.exception() is not None or reader.at_eof()
+
+
+def _cut(proxy: CutProxy, *clients: transport.Client) -> tuple[int, list[Any]]:
+    """Cut every proxied connection; return how many, and the connections ``clients``
+    held then (for :func:`_taken_in`)."""
+    held = _connections(*clients)
+    return proxy.cut(), held
+
+
+async def _taken_in(held: list[Any]) -> None:
+    """Wait until the clients have taken in the reset of each connection of ``held``:
+    the RSTs arrive at once on loopback, but only the clients' event loop turns them
+    into connections known dead."""
+
+    async def all_known_dead() -> bool:
+        return all(_known_dead(x) for x in held)
+
+    await until(all_known_dead, what="the clients took in the resets of their connections")
+
+
+async def _none_blocked(direct: transport.Client) -> None:
+    """Wait until the server holds no client blocked (a cut wait is let go of too)."""
+
+    async def none() -> bool:
+        return await blocked_clients(direct) == 0
+
+    await until(none, what="no client blocked on the server")
 
 
 async def test_connections_cut_while_idle_are_replaced(proxy: CutProxy) -> None:
@@ -141,8 +188,9 @@ async def test_connections_cut_while_idle_are_replaced(proxy: CutProxy) -> None:
         assert await q.size() == 0
         with transport.map_errors():
             assert await c.blocking.ping()
-        assert proxy.cut() >= 4
-        await _settle()
+        n, held = _cut(proxy, c)
+        assert n >= 4
+        await _taken_in(held)
         # each succeeds the first time: a connection known dead is not used
         assert await c.ping()  # redis-py's command pool
         assert await q.size() == 0
@@ -153,26 +201,32 @@ async def test_connections_cut_while_idle_are_replaced(proxy: CutProxy) -> None:
 
 
 async def test_a_wait_cut_in_its_middle_fails_and_is_withdrawn(proxy: CutProxy) -> None:
-    async with transport.connected(proxy.url) as c, transport.connected(proxy.url) as other:
+    async with (
+        transport.connected(proxy.url) as c,
+        transport.connected(proxy.url) as other,
+        transport.connected(proxy.upstream) as direct,  # not through the proxy: never cut
+    ):
         q = FIFOQueue(1, np.int64, shared_name="q", container=C, client=c)
         q2 = FIFOQueue(1, np.int64, shared_name="q", container=C, client=other)
+        await _none_blocked(direct)
         waiting = asyncio.ensure_future(q.dequeue())  # an empty queue: it waits
-        await asyncio.sleep(0.3)
-        proxy.cut()
+        await until_blocked(direct, task=waiting, what="the dequeue blocked in BLPOP")
+        _, held = _cut(proxy, c, other)
         with pytest.raises(UnavailableError):
             await asyncio.wait_for(waiting, 5)
-        await _settle()
+        await _taken_in(held)
         await q2.enqueue(np.int64(7))
         assert int(await q2.dequeue(timeout=5)) == 7  # not handed to the dead wait
 
         # an enqueue waiting on a full queue: withdrawn, its element never stored
         await q2.enqueue(np.int64(8))
+        await _none_blocked(direct)  # the server let go of the cut wait
         blocked = asyncio.ensure_future(q.enqueue(np.int64(9)))
-        await asyncio.sleep(0.3)
-        proxy.cut()
+        await until_blocked(direct, task=blocked, what="the enqueue blocked in BLPOP")
+        _, held = _cut(proxy, c, other)
         with pytest.raises(UnavailableError):
             await asyncio.wait_for(blocked, 5)
-        await _settle()
+        await _taken_in(held)
         assert int(await q2.dequeue(timeout=5)) == 8
         with pytest.raises(DeadlineExceededError):
             await q2.dequeue(timeout=0.5)  # 9 never landed

@@ -377,22 +377,31 @@ def test_ensure_local_server_reuse(local_run: str) -> None:
 
 
 def test_ensure_local_server_concurrent(local_run: str) -> None:
+    # each child holds on to the server until its stdin closes: the test closes them
+    # once all three have said which server they got, so that none ends (stopping the
+    # server it owns) while another is still finding one
     code = (
-        "import json, time; from qps.embedded import ensure_local_server, read_state\n"
+        "import json, sys; from qps.embedded import ensure_local_server, read_state\n"
         "url, owner = ensure_local_server()\n"
         "print(json.dumps([owner is not None, read_state()['pid']]), flush=True)\n"
-        "time.sleep(1.0)\n"
+        "sys.stdin.read()\n"
     )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
             env=_child_env(local_run),
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for _ in range(3)
     ]
-    results = [json.loads(p.communicate(timeout=30)[0]) for p in procs]
+    try:
+        lines = [p.stdout.readline() if p.stdout else "" for p in procs]
+    finally:
+        for p in procs:
+            p.communicate(timeout=30)  # closes its stdin: it ends
+    results = [json.loads(line) for line in lines]
     assert sorted(owned for owned, _ in results) == [False, False, True]
     assert len({pid for _, pid in results}) == 1
     # the owner exited without stop(): its atexit hook stopped the server

@@ -73,6 +73,8 @@ async def test_wait_for_stop_and_clear_stop() -> None:
     coord = Coordinator()
     assert await coord.wait_for_stop(0) is False
     waiter = asyncio.create_task(coord.wait_for_stop())
+    # one loop turn, not a wait on time: the task runs until it waits on the event (no
+    # I/O can hold it back), so one that does not wait is done by now
     await asyncio.sleep(0)
     assert not waiter.done()
     coord.request_stop(ValueError("x"))
@@ -272,14 +274,15 @@ async def _stats_pending(q: qps.FIFOQueue) -> bool:
 
 async def test_runner_waiting_on_its_input_is_cancelled_by_stop(client: qps.Client) -> None:
     q = _fifo(client)
-    never = asyncio.Event()
+    never, waiting = asyncio.Event(), asyncio.Event()
 
     async def op() -> None:
+        waiting.set()
         await never.wait()  # an input that never comes
 
     coord = Coordinator()
     tasks = QueueRunner(q, [op]).start(coord)
-    await asyncio.sleep(0)
+    await asyncio.wait_for(waiting.wait(), 10)  # the runner waits on its input
     coord.request_stop()
     await coord.join(tasks, stop_grace_period_secs=30)  # no RuntimeError: cancelled
     assert all(t.done() for t in tasks)

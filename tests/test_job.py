@@ -9,7 +9,7 @@ import pytest
 
 import qps
 from qps.errors import DeadlineExceededError
-from tests.conftest import pending
+from tests.conftest import pending, until_blocked
 from workers import job
 
 C = "jobtest"
@@ -19,8 +19,8 @@ async def test_wait_ready_blocks_until_the_chief_marks_it(make_client):
     chief, other = await make_client(), await make_client()
     assert await job.is_ready(other, C) is None
     waiter = asyncio.create_task(job.wait_ready(other, C, 1, timeout=30))
-    await asyncio.sleep(0)  # let it check and block
-    assert pending(waiter)
+    await until_blocked(other, task=waiter, what="wait_ready blocked in BLPOP")
+    assert pending(waiter)  # it found no mark and waits for one
     await job.mark_ready(chief, C, 2, {"model": "mlp:4,3"})
     assert await asyncio.wait_for(waiter, 10) == {"model": "mlp:4,3"}
     # a worker that starts after the mark does not wait at all
@@ -50,7 +50,7 @@ async def test_ssp_waits_for_the_slowest_running_worker(make_client):
     await job.ssp_advance(fast, C, "worker0", 3, names)
     # worker0 about to run step 3 with worker1 at 0: 3 ahead, bound 2 -> waits
     waiter = asyncio.create_task(job.ssp_wait(fast, C, "worker0", 3, 2, names))
-    await asyncio.sleep(0.05)
+    await until_blocked(fast, task=waiter, what="ssp_wait blocked in BLPOP (3 ahead)")
     assert pending(waiter)
     await job.ssp_advance(slow, C, "worker1", 1, names)  # now 2 ahead: may go
     await asyncio.wait_for(waiter, 10)
@@ -59,7 +59,7 @@ async def test_ssp_waits_for_the_slowest_running_worker(make_client):
     # a finished worker no longer holds anyone back
     await job.ssp_advance(fast, C, "worker0", 10, names)
     waiter = asyncio.create_task(job.ssp_wait(fast, C, "worker0", 10, 2, names))
-    await asyncio.sleep(0.05)
+    await until_blocked(fast, task=waiter, what="ssp_wait blocked in BLPOP (9 ahead)")
     assert pending(waiter)
     await job.finish_worker(slow, C, "worker1")
     await job.ssp_advance(slow, C, "worker1", 1, names)  # the wake-up

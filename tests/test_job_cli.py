@@ -21,7 +21,7 @@ import qps
 from qps.cli.main import cli
 from qps.errors import DeadlineExceededError, NotFoundError
 from qps.ps import control
-from tests.conftest import pending
+from tests.conftest import pending, until_blocked
 from tests.test_top import build_job
 from workers import job, monitor
 
@@ -49,8 +49,8 @@ async def test_wait_workers_done_blocks_until_the_last_one_finishes(make_client)
     with pytest.raises(DeadlineExceededError, match="worker0 of container 'jobcli' not done"):
         await job.wait_workers_done(waiter_client, C, timeout=0.05)
     waiter = asyncio.create_task(job.wait_workers_done(waiter_client, C, timeout=30))
-    await asyncio.sleep(0.05)
-    assert pending(waiter)
+    await until_blocked(waiter_client, task=waiter, what="wait_workers_done blocked in BLPOP")
+    assert pending(waiter)  # worker0 is not done: it waits
     await job.finish_worker(worker, C, "worker0")  # recorded done: wakes the waiter
     assert await asyncio.wait_for(waiter, 10) == ["worker0", "worker1"]
 

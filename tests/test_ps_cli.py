@@ -89,10 +89,12 @@ def shard(redis_url: str, container: str) -> Iterator[Callable[[], subprocess.Po
     def start() -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": REPO_ROOT}
         env.pop("QPS_LOG_LEVEL", None)
+        # a lease that a loaded machine's stalls cannot run out (renewed every third of
+        # it); no test here waits for one to expire: a stopped shard releases its lease
         p = subprocess.Popen(
             [sys.executable, "-m", "qps.cli.main", "ps", "--shard", "0", "--num-shards", "1",
              "--url", redis_url, "--container", container, "--optimizer", "sgd", "--lr", "1",
-             "--lease-ms", "2000"],
+             "--lease-ms", "10000"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         procs.append(p)

@@ -343,7 +343,7 @@ async def test_cancelled_calls_keep_the_stream_in_step(server_url: str) -> None:
         blocked.cancel()
         for i in range(0, 50, 3):  # cancel every third caller queued behind it too
             behind[i].cancel()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the cancelled tasks end (no wait on time)
         assert await other.call((b"RPUSH", key, b"v1", b"v2")) == 2
         for i, task in enumerate(behind):
             if i % 3 == 0:

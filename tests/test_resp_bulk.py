@@ -47,7 +47,7 @@ class Scripted:
             await writer.drain()
             await asyncio.sleep(0)
         if self.stall:
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # a server stalled mid-reply (the read is cancelled)
         with contextlib.suppress(Exception):
             await reader.read()  # until the client closes
         writer.close()
