@@ -125,7 +125,11 @@ class StaleTokenError(FailedPreconditionError):
 
 class AlreadyAppliedError(FailedPreconditionError):
     """A PS commit named a gradient message that the variable records as applied
-    already (a redelivery): nothing was changed."""
+    already (a redelivery): nothing was changed. ``message_id`` is the message's id."""
+
+    def __init__(self, message: str, message_id: str = "") -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 class CheckpointHold(Exception):
@@ -1023,7 +1027,8 @@ class Variable:
             raise CheckpointHold(self._where(), int(_text(reply[1])))
         if status == "dup":
             raise AlreadyAppliedError(
-                f"{self._where()}: message {_text(reply[1])} was already applied; nothing changed"
+                f"{self._where()}: message {_text(reply[1])} was already applied; nothing changed",
+                _text(reply[1]),
             )
         if status == "slots":
             raise FailedPreconditionError(

@@ -52,9 +52,9 @@ async def run(url: str, container: str, worker: int, first: int, count: int) -> 
 
 
 async def crash_shard(url: str, container: str, when: str) -> None:
-    """For tests/test_ps_group.py: run shard 0 of 1 and SIGKILL this process with its
-    first group of messages applied in memory (``before-commit``) or committed and not
-    acknowledged (``before-ack``)."""
+    """For tests/test_ps_group.py and tests/test_ps_exactly_once.py: run shard 0 of 1
+    and SIGKILL this process with its first group that holds messages applied in memory
+    (``before-commit``) or committed and not acknowledged (``before-ack``)."""
     import os
     import signal
 
@@ -67,6 +67,8 @@ async def crash_shard(url: str, container: str, when: str) -> None:
     real = shard._commit_group
 
     async def commit_group(g: Any) -> None:
+        if not g.messages:  # an idle shard's empty group: nothing to die holding
+            return await real(g)
         if when == "before-ack":
             await real(g)
         print(f"killing myself {when} a group of {g.messages} message(s)", flush=True)

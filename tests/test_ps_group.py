@@ -23,18 +23,21 @@ import pytest
 import qps
 from qps import checkpoint, keys
 from qps.embedded import EmbeddedServer
-from qps.errors import UnavailableError
+from qps.errors import InternalError, UnavailableError
 from qps.optimizers import SGD, Adam, Optimizer
 from qps.ps import control
 from qps.ps import shard as shard_module
 from qps.ps.gradlist import gradient_list_key
 from qps.ps.shard import Shard, ShardOptions
 from qps.variables import Variable
-from tests.conftest import ClientFactory, cancel_all, until
+from tests.conftest import ClientFactory, cancel_all, until, within
 
 C = "grp"
 REPO = str(Path(__file__).resolve().parents[1])
 N = 12  # messages
+# a running shard renews its lease every third of it: 5 s leaves a loaded machine room
+# for a stall (a shard that ends releases its lease, so the next one does not wait)
+LEASE_MS = 5000
 ROWS = 20
 
 
@@ -115,7 +118,7 @@ async def _check_state(client: qps.Client, opt: Optimizer, versions: int = N) ->
 async def _drain(client: qps.Client, **kw: Any) -> Shard:
     """Run a shard until the finished job's queue is drained."""
     await control.mark_finished(client, C)
-    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, **kw))
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS, **kw))
     assert await asyncio.wait_for(shard.run(), 60) == "finished"
     return shard
 
@@ -160,7 +163,7 @@ async def test_slow_commits_keep_groups_open_longer(
     await _setup(client, opt)
     await _push_all(client)
     await control.mark_finished(client, C)
-    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=0))
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS, commit_interval_ms=0))
     shard._commit_seconds = 30.0  # as if the last commit had taken 30 s (capped: 2 s)
     assert await asyncio.wait_for(shard.run(), 60) == "finished"
     groups = int(await client.commands.hget(keys.ps_prefix(C, 0) + "stats", "groups") or 0)
@@ -203,7 +206,7 @@ async def test_commits_wait_while_a_checkpoint_holds_the_variables(
     once come back refused and go again the usual way. Released, the state is exact."""
     opt = Adam(learning_rate=0.1)
     await _setup(client, opt)
-    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, max_group=1))
+    shard = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS, max_group=1))
     run = asyncio.create_task(shard.run())
     await until(lambda: _owns_both(shard))
     metas = [keys.variable_prefix(C, n) + "meta" for n in ("w", "emb")]
@@ -256,7 +259,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     first = Shard(
         client,
         ShardOptions(
-            0, 1, container=C, lease_ms=600, commit_interval_ms=60_000, max_group=max_group
+            0, 1, container=C, lease_ms=LEASE_MS, commit_interval_ms=60_000, max_group=max_group
         ),
     )
     real, real_at_once = Shard._commit, Shard._commit_at_once
@@ -276,7 +279,7 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     assert await _waiting(client, channel) == N  # all back, in order
     monkeypatch.setattr(Shard, "_commit", real)
     monkeypatch.setattr(Shard, "_commit_at_once", real_at_once)
-    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
     assert second.applied == N
     await _check_state(client, opt)
@@ -291,7 +294,9 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
     await _setup(client, opt)
     await _push_all(client)
     await control.mark_finished(client, C)
-    first = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600, commit_interval_ms=60_000))
+    first = Shard(
+        client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS, commit_interval_ms=60_000)
+    )
     real = Shard._settle
 
     async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool, **kw: Any) -> bool:
@@ -304,10 +309,45 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
         await asyncio.wait_for(first.run(), 60)
     monkeypatch.setattr(Shard, "_settle", real)
     assert await _waiting(client, channel) == N
-    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
     assert (second.applied, second.skipped) == (0, N)
     await _check_state(client, opt)
+
+
+async def test_a_look_up_that_misses_an_applied_message_stops_the_shard(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, channel: str
+) -> None:
+    """The commit refuses a redelivered message that the look-up of the applied ids said
+    was not applied (here the look-up is made to miss): the shard stops with an
+    InternalError naming the message, instead of delivering the group again and again
+    (each delivery refused the same way: a livelock) or applying it twice."""
+    opt = SGD(learning_rate=1.0)
+    await _setup(client, opt)
+    await _push_all(client)
+    await control.mark_finished(client, C)
+    first = Shard(client, ShardOptions(0, 1, container=C, commit_interval_ms=60_000))
+    real = Shard._settle
+
+    async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool, **kw: Any) -> bool:
+        if ack:
+            raise UnavailableError("Redis went away (test)")
+        return await real(self, q, ds, ack=ack, **kw)
+
+    monkeypatch.setattr(Shard, "_settle", no_ack)
+    with pytest.raises(UnavailableError):
+        await asyncio.wait_for(first.run(), 60)
+    monkeypatch.setattr(Shard, "_settle", real)
+
+    async def missed(self: Shard, msgs: Any) -> tuple[list[dict[str, bool]], list[bool]]:
+        return [dict.fromkeys(m.grads, False) for m in msgs], [False] * len(msgs)
+
+    monkeypatch.setattr(Shard, "_applied_flags", missed)
+    second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS))
+    with pytest.raises(InternalError, match="did not find it"):
+        await within(second.run(), 30, "the shard stops on the refused redelivery")
+    st = await (await qps.variables.open_variable(client, "w", C)).read_state()
+    assert st.version == N  # applied once, by the first shard
 
 
 # -- real processes, SIGKILL ---------------------------------------------------------------
@@ -354,7 +394,7 @@ async def test_a_shard_killed_inside_a_group_loses_nothing(
         st = await (await qps.variables.open_variable(client, "w", C)).read_state()
         assert st.version == (N if committed else 0)
         # the next shard gets the messages back once their deliveries' leases run out
-        second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=600))
+        second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS))
         task = asyncio.create_task(second.run())
 
         async def redelivered() -> bool:

@@ -48,7 +48,9 @@ class Job:
     async def shard(
         self, shard: int = 0, num: int = 1, opt: Optimizer | None = None, **kw: Any
     ) -> tuple[Shard, asyncio.Task[str]]:
-        kw.setdefault("lease_ms", 900)
+        # a running shard renews its lease every third of it: 5 s leaves a loaded machine
+        # room for a stall (tests of an expiry take over a lease they set short)
+        kw.setdefault("lease_ms", 5000)
         s = Shard(
             await self.make_client(),
             ShardOptions(shard, num, container=C, optimizer=opt, **kw),

@@ -70,6 +70,7 @@ from qps.errors import (
     AbortedError,
     DataLossError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     OutOfRangeError,
@@ -1397,6 +1398,15 @@ class Shard:
         on its own) and advance the global step alongside (it records the ids too)."""
         failure: BaseException | None = None
         failed, _, _ = await self._commit_all(g.vars, g.touched, gs_ids=g.gs_ids)
+        for name, r in failed:
+            if isinstance(r, AlreadyAppliedError) and r.message_id in self._suspect:
+                # it was looked up in the applied ids before the apply and not found
+                # there: delivering the group again would be refused again, forever
+                raise InternalError(
+                    f"ps shard {self.shard}: '{name}' refused message {r.message_id} as "
+                    "applied before, but the look-up of its applied ids did not find it; "
+                    "stopping rather than apply it twice or retry it forever"
+                ) from r
         for name, r in failed:
             if isinstance(r, AlreadyAppliedError):
                 # a message not looked up had been committed (an earlier owner's, not
