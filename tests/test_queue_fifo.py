@@ -16,7 +16,11 @@ from qps.errors import (
     OutOfRangeError,
     WouldBlockError,
 )
-from tests.conftest import until
+from tests.conftest import until, within
+
+# every wait for a pending call to end is bounded: a defect fails in seconds, naming
+# what did not happen, instead of hanging until the test's timeout
+BOUND = 20
 
 I32 = np.int32
 
@@ -77,7 +81,7 @@ async def test_05_enqueue_many_prefix_stays_after_cancel(client):
     assert await q.size() == 2
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await within(task, BOUND, "a cancelled enqueue_many ends")
     assert await q.size() == 2
     assert (await stats(q)).pending_enqueues == 0
     assert list(await q.dequeue_many(2)) == [7, 8]
@@ -97,7 +101,7 @@ async def test_06_enqueue_many_larger_than_capacity_with_consumer(client):
     q = fifo(client, 3)
     producer = asyncio.create_task(q.enqueue_many(np.arange(1, 6, dtype=I32)))
     got = [int(await q.dequeue(timeout=10)) for _ in range(5)]
-    await producer
+    await within(producer, BOUND, "enqueue_many of 5 into capacity 3 ends as they are consumed")
     assert got == [1, 2, 3, 4, 5]
 
 
@@ -105,7 +109,13 @@ async def test_07_dequeue_many_larger_than_capacity(client):
     q = fifo(client, 2)
     consumer = asyncio.create_task(q.dequeue_many(5, timeout=10))
     await q.enqueue_many(np.arange(1, 6, dtype=I32), timeout=10)
-    assert list(await consumer) == [1, 2, 3, 4, 5]
+    assert list(await within(consumer, BOUND, "dequeue_many(5) returns once 5 were enqueued")) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
 
 
 async def test_08_dequeue_many_zero(client):
@@ -179,7 +189,10 @@ async def test_15_pending_up_to_returns_partial_on_close(client):
     await until(lambda: _held(q, 2))
     assert await q.size() == 0
     await q.close()
-    assert list(await task) == [1, 2]
+    assert list(await within(task, BOUND, "a pending dequeue_up_to returns its 2 on close")) == [
+        1,
+        2,
+    ]
 
 
 async def test_16_pending_dequeue_many_restores_on_close(client):
@@ -190,7 +203,7 @@ async def test_16_pending_dequeue_many_restores_on_close(client):
     assert await q.size() == 0  # held elements do not count
     await q.close()
     with pytest.raises(OutOfRangeError):
-        await task
+        await within(task, BOUND, "a pending dequeue_many ends on close")
     assert await q.size() == 2
     assert list(await q.dequeue_up_to(3)) == [1, 2]
 
@@ -203,10 +216,14 @@ async def test_17_head_of_line_blocking(client):
     one = asyncio.create_task(q.dequeue())
     await until(lambda: _pending_deq(q, 2))
     await q.enqueue(3)
-    assert list(await many) == [1, 2, 3]
+    assert list(await within(many, BOUND, "dequeue_many(3) returns once the third arrives")) == [
+        1,
+        2,
+        3,
+    ]
     assert not one.done() or int(one.result()) == 4
     await q.enqueue(4)
-    assert int(await one) == 4
+    assert int(await within(one, BOUND, "the dequeue behind it gets the fourth element")) == 4
     await _lease_count_consistent(q)
 
 
@@ -239,11 +256,11 @@ async def test_20_close_waits_behind_pending_enqueue(client):
     late = asyncio.create_task(q.enqueue(3))  # queued behind the pending close
     await until(lambda: _pending_enq(q, 2))
     assert int(await q.dequeue()) == 1
-    await enq
-    await closer
+    await within(enq, BOUND, "the pending enqueue goes in once there is room")
+    await within(closer, BOUND, "the close takes effect after the enqueue before it")
     assert await q.is_closed()
     with pytest.raises(CancelledError, match="is closed"):
-        await late
+        await within(late, BOUND, "an enqueue queued behind the close fails")
     assert int(await q.dequeue()) == 2
     with pytest.raises(OutOfRangeError):
         await q.dequeue()
@@ -255,9 +272,10 @@ async def test_21_close_with_cancel(client):
     await q.enqueue(1)
     enq = asyncio.create_task(q.enqueue(2))
     await until(lambda: _pending_enq(q, 1))
-    await q.close(cancel_pending_enqueues=True)
+    closing = q.close(cancel_pending_enqueues=True)
+    await within(closing, BOUND, "a cancelling close takes effect behind a pending enqueue")
     with pytest.raises(CancelledError, match="Enqueue operation was cancelled"):
-        await enq
+        await within(enq, BOUND, "close(cancel_pending_enqueues=True) cancels the pending enqueue")
     assert int(await q.dequeue()) == 1
     with pytest.raises(OutOfRangeError):
         await q.dequeue()
@@ -267,9 +285,12 @@ async def test_22_close_cancel_keeps_enqueue_many_prefix(client):
     q = fifo(client, 2)
     enq = asyncio.create_task(q.enqueue_many(np.arange(4, dtype=I32)))
     await until(lambda: _pending_enq(q, 1))
-    await q.close(cancel_pending_enqueues=True)
+    closing = q.close(cancel_pending_enqueues=True)
+    await within(closing, BOUND, "a cancelling close takes effect behind a pending enqueue")
     with pytest.raises(CancelledError):
-        await enq
+        await within(
+            enq, BOUND, "close(cancel_pending_enqueues=True) cancels the pending enqueue_many"
+        )
     assert await q.size() == 2
 
 
@@ -279,7 +300,7 @@ async def test_23_pending_dequeue_gets_out_of_range_on_close(client):
     await until(lambda: _pending_deq(q, 1))
     await q.close()
     with pytest.raises(OutOfRangeError):
-        await task
+        await within(task, BOUND, "a pending dequeue fails when the queue closes")
 
 
 async def test_24_client_close_cancels_pending_dequeue(make_client):
@@ -293,7 +314,7 @@ async def test_24_client_close_cancels_pending_dequeue(make_client):
     await until(lambda: _pending_deq(qb, 1))
     await a.close()
     with pytest.raises(CancelledError, match="Dequeue operation was cancelled"):
-        await task
+        await within(task, BOUND, "closing its client cancels a pending dequeue")
     s = await qb.stats()
     assert s.pending_dequeues == 0
     await qb.enqueue(6)
@@ -460,7 +481,7 @@ async def test_cancelled_dequeue_many_restores_partial_batch(client):
     await until(lambda: _held(q, 2))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await within(task, BOUND, "a cancelled dequeue_many ends")
     s = await q.stats()
     assert s.size == 2 and s.pending_dequeues == 0 and s.held == 0
     assert list(await q.dequeue_many(2)) == [1, 2]
@@ -474,7 +495,11 @@ async def test_shared_between_clients_and_wakeup(make_client):
     waiter = asyncio.create_task(qa.dequeue(timeout=20))
     await until(lambda: _pending_deq(qb, 1))
     await qb.enqueue(np.array([1, 2, 3], np.float32))
-    assert (await waiter).tolist() == [1.0, 2.0, 3.0]
+    assert (await within(waiter, BOUND, "another client's enqueue wakes the dequeue")).tolist() == [
+        1.0,
+        2.0,
+        3.0,
+    ]
 
 
 async def test_private_queues_are_distinct(client):
@@ -552,11 +577,11 @@ async def test_close_queued_behind_a_pending_close_reports_already_closed(client
     await until(lambda: _pending_close(q))
     second = asyncio.create_task(q.close())
     await until(lambda: _ew_len(q, 3))
-    await q.dequeue()
-    await enq
-    await first
+    await q.dequeue(timeout=BOUND)
+    await within(enq, BOUND, "the pending enqueue goes in once there is room")
+    await within(first, BOUND, "the first close takes effect")
     with pytest.raises(CancelledError, match="already closed"):
-        await second
+        await within(second, BOUND, "a close queued behind a pending close fails")
 
 
 async def _ew_len(q, n):
@@ -594,7 +619,9 @@ async def test_close_wakes_every_blocked_caller(make_client):
     ]
     await until(lambda: _pending_deq(qa, 4))
     await qb.close()
-    results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 10)
+    results = await within(
+        asyncio.gather(*waiters, return_exceptions=True), BOUND, "close wakes every blocked caller"
+    )
     assert all(isinstance(r, OutOfRangeError) for r in results), results
     s = await qa.stats()
     assert (s.pending_dequeues, s.held, s.size) == (0, 0, 0)
@@ -611,13 +638,13 @@ async def test_enqueue_into_a_queue_over_capacity_keeps_every_element(client):
     await until(lambda: _held_n(q, 4))  # it took 3 and 4 as well and still waits for a 5th
     many.cancel()  # gives 1..4 back to the front: 4 stored in a capacity-2 queue
     with pytest.raises(asyncio.CancelledError):
-        await many
+        await within(many, BOUND, "a cancelled dequeue_many ends")
     assert await q.size() == 4
     late = asyncio.create_task(q.enqueue(5))
     await until(lambda: _pending_enq(q, 1))
     assert await q.size() == 4
     assert (await q.dequeue_many(4)).tolist() == [1, 2, 3, 4]
-    await late
+    await within(late, BOUND, "an enqueue waiting for room goes in")
     assert int(await q.dequeue()) == 5
 
 
@@ -779,7 +806,7 @@ async def test_string_elements_peek_requeue_and_dead_letters(client):
     await until(lambda: _held_n(q, 2))
     many.cancel()  # gives them back, re-encoded from the decoded arrays
     with pytest.raises(asyncio.CancelledError):
-        await many
+        await within(many, BOUND, "a cancelled dequeue_many ends")
     items = keys.queue_prefix("default", "sdl") + "items"
     await client.commands.rpush(items, wire.encode([np.float64(2.5)]))  # not a string
     await q.enqueue("third")
