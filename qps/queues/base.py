@@ -49,6 +49,7 @@ from qps.errors import (
     QpsError,
     WouldBlockError,
 )
+from qps.queues.convert import to_component
 from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
 from qps.queues.large import (
     BATCH_ENTRY,
@@ -108,65 +109,6 @@ class _Tokens(list[str]):
     a reference to bytes kept out of line."""
 
     refs = False
-
-
-def _string_mismatch(index: int, value: Any, what: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"Type mismatch in tuple component {index}: expected string, got {what}"
-    )
-
-
-def _string_leaf(v: Any, index: int, value: Any) -> Any:
-    """One nested-list item of a string component, as bytes (or nested lists of them)."""
-    if isinstance(v, str):  # np.str_ too
-        try:
-            return v.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidArgumentError(
-                f"component {index}: {v!r} cannot be encoded as UTF-8: {exc}"
-            ) from exc
-    if isinstance(v, (bytes, bytearray, memoryview)):  # np.bytes_ too
-        return bytes(v)
-    if isinstance(v, (list, tuple)):
-        return [_string_leaf(x, index, value) for x in v]
-    if isinstance(v, np.ndarray):
-        return _string_array(v, index).tolist()
-    item = "" if v is value else f" (an item is {type(v).__name__})"
-    raise _string_mismatch(index, value, f"{value!r}{item}")
-
-
-def _string_array(value: Any, index: int) -> np.ndarray:
-    """``value`` as an ``S<n>`` array for a string component: bytes as they are, str
-    encoded as UTF-8 (Python or NumPy, scalars, nested lists, ``S``/``U``/object arrays).
-
-    Raises:
-        InvalidArgumentError: a value that is not strings, text that is not encodable,
-            or ragged nested lists.
-    """
-    if isinstance(value, (np.ndarray, np.generic)):
-        arr = np.asarray(value)
-        kind = arr.dtype.kind
-        if kind == "S":
-            return arr
-        if kind == "U":
-            try:
-                out: np.ndarray = np.char.encode(arr, "utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidArgumentError(
-                    f"component {index}: text that cannot be encoded as UTF-8: {exc}"
-                ) from exc
-            return out
-        if kind != "O":
-            raise _string_mismatch(index, value, dtype_name(arr.dtype))
-        items = [_string_leaf(v, index, value) for v in arr.ravel().tolist()]
-        if any(not isinstance(v, bytes) for v in items):
-            raise _string_mismatch(index, value, "an object array holding non-strings")
-        return np.array(items, dtype=np.bytes_).reshape(arr.shape)
-    leaves = _string_leaf(value, index, value)
-    try:
-        return np.array(leaves, dtype=np.bytes_)
-    except ValueError as exc:  # ragged nested lists
-        raise InvalidArgumentError(f"component {index}: cannot convert {value!r}") from exc
 
 
 @dataclass(frozen=True)
@@ -356,43 +298,6 @@ class QueueBase:
             )
         return list(vals)
 
-    @staticmethod
-    def _convert(value: Any, dtype: np.dtype[Any], index: int) -> np.ndarray:
-        if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):
-            value = value.get()
-        if is_string(dtype):
-            return _string_array(value, index)
-        if isinstance(value, (np.ndarray, np.generic)):
-            arr = np.asarray(value)
-            if arr.dtype != dtype:
-                raise InvalidArgumentError(
-                    f"Type mismatch in tuple component {index}: expected {dtype.name}, "
-                    f"got {dtype_name(arr.dtype)}"
-                )
-            return arr
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError) as exc:
-            raise InvalidArgumentError(f"component {index}: cannot convert {value!r}") from exc
-        src, dst = arr.dtype.kind, dtype.kind
-        # Python bools go to bool, ints to any integer or float, floats to floats only.
-        if src not in "biuf" or (dst == "b") != (src == "b") or (dst in "iu" and src == "f"):
-            raise InvalidArgumentError(
-                f"Type mismatch in tuple component {index}: expected {dtype.name}, "
-                f"got {value!r} ({dtype_name(arr.dtype)})"
-            )
-        if dst in "iu" and arr.size:
-            info = np.iinfo(dtype)
-            if int(arr.min()) < info.min or int(arr.max()) > info.max:
-                raise InvalidArgumentError(
-                    f"component {index}: {value!r} is out of range for {dtype.name}"
-                )
-        with np.errstate(over="ignore"):
-            out = arr.astype(dtype)
-        if dst == "f" and not np.array_equal(np.isfinite(out), np.isfinite(arr)):
-            raise InvalidArgumentError(f"component {index}: {value!r} overflows {dtype.name}")
-        return out
-
     def _check_shape(self, arr: np.ndarray, index: int, batch: int | None) -> None:
         shapes = self._spec.shapes
         if shapes is None:
@@ -411,7 +316,7 @@ class QueueBase:
         comps = self._components(vals)
         arrays = []
         for i, (v, dt) in enumerate(zip(comps, self._spec.dtypes)):
-            arr = self._convert(v, dt, i)
+            arr = to_component(v, dt, i)
             self._check_shape(arr, i, None)
             arrays.append(arr)
         return arrays
@@ -421,7 +326,7 @@ class QueueBase:
         arrays = []
         batch = -1
         for i, (v, dt) in enumerate(zip(comps, self._spec.dtypes)):
-            arr = self._convert(v, dt, i)
+            arr = to_component(v, dt, i)
             if arr.ndim == 0:
                 raise InvalidArgumentError(
                     f"enqueue_many needs a batch dimension; component {i} is a scalar"
