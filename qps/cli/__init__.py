@@ -30,9 +30,17 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import click
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from qps import keys, transport
-from qps.errors import DeadlineExceededError, NotFoundError, QpsError, UnavailableError
+from qps.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    QpsError,
+    UnavailableError,
+)
 from qps.transport import Client, connect, redact_url
 
 __all__ = [
@@ -44,6 +52,7 @@ __all__ = [
     "EXIT_USAGE",
     "LOG_LEVELS",
     "CliError",
+    "check_url",
     "configure_logging",
     "connected",
     "container_option",
@@ -208,26 +217,57 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 # -- connecting ------------------------------------------------------------------------
 
 
+def _invalid_url(url: str | None, why: object) -> CliError:
+    shown = redact_url(url) if url else "(none)"
+    return CliError(f"invalid Redis URL {shown}: {why}", EXIT_USAGE)
+
+
+def check_url(url: str | None) -> str | None:
+    """``url`` itself if redis-py can read it (None and "" too: the default server).
+
+    Only its form is checked, as :func:`qps.connect` would read it, without connecting:
+    the scheme, host and port, the ``cluster=`` parameter, and the query options
+    (redis-py passes one it does not know to its connection as a keyword argument).
+    Every ``--url`` (and ``$QPS_REDIS_URL``) goes through it as it is parsed, so a bad
+    one stops a command before it prints, connects or starts anything.
+
+    Raises:
+        CliError: the URL is malformed (exit code 2).
+    """
+    if not url:
+        return url
+    remember_url(url)
+    try:
+        base, _ = transport.split_cluster_param(url)
+        pool = aioredis.ConnectionPool.from_url(base)
+        pool.connection_class(**pool.connection_kwargs)  # builds it; connects nothing
+    except TypeError as exc:  # e.g. '?=' in an unquoted password: an option named ''
+        raise _invalid_url(url, f"unknown query option ({exc})") from exc
+    except (ValueError, RedisError, InvalidArgumentError) as exc:
+        raise _invalid_url(url, exc) from exc
+    return url
+
+
+def _check_url_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return check_url(value)
+
+
 @contextlib.asynccontextmanager
 async def connected(url: str | None) -> AsyncIterator[Client]:
     """A :class:`qps.Client` for ``url`` (None: ``$QPS_REDIS_URL`` or the local embedded
     server), closed on exit.
 
     Raises:
-        CliError: the URL is malformed (exit code 2).
+        CliError: the URL is malformed (exit code 2; see :func:`check_url`).
         UnavailableError: the server cannot be reached.
     """
-    remember_url(url)
+    check_url(url)
     try:
         client = await connect(url)
     except QpsError:
         raise
-    # redis-py rejects the URL itself (scheme, port, ...); a query part with an option it
-    # does not know (e.g. '?=' in an unquoted password) reaches its connection as a
-    # keyword argument and fails there with TypeError
-    except (ValueError, TypeError) as exc:
-        shown = redact_url(url) if url else "(none)"
-        raise CliError(f"invalid Redis URL {shown}: {exc}", EXIT_USAGE) from exc
+    except (ValueError, TypeError) as exc:  # what check_url could not see coming
+        raise _invalid_url(url, exc) from exc
     remember_url(client.url)
     try:
         yield client
@@ -270,8 +310,8 @@ def _ask_cluster(ctx: click.Context, param: click.Parameter, value: bool) -> Non
 
 
 def url_option(help: str = URL_HELP) -> Callable[[F], F]:
-    """``--url`` (env ``QPS_REDIS_URL``), with ``help`` as its help text, and
-    ``--cluster``."""
+    """``--url`` (env ``QPS_REDIS_URL``, checked by :func:`check_url` as it is parsed),
+    with ``help`` as its help text, and ``--cluster``."""
 
     def decorate(f: F) -> F:
         f = click.option(
@@ -288,6 +328,7 @@ def url_option(help: str = URL_HELP) -> Callable[[F], F]:
             show_envvar=True,
             default=None,
             metavar="URL",
+            callback=_check_url_option,
             help=help,
         )(f)
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from qps import backend
-from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
+from qps.cli import EXIT_USAGE, CliError, check_url, json_option, run_async, url_option
 from qps.cli.progress import Progress
 from qps.ps.messages import GRAD_DTYPES
 
@@ -233,6 +233,9 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     preset = EXAMPLES[settings.pop("example")]
     given = {k: v for k, v in flags.items() if v is not None}
     merged = {**preset, **settings, **given}
+    if not isinstance(merged.get("url") or "", str):
+        raise CliError(f"url must be a string, got {merged['url']!r}", EXIT_USAGE)
+    check_url(merged.get("url"))  # --url was checked as it was parsed; a --config url here
     mode = merged.pop("mode", "async")
     staleness = merged.pop("max_staleness", None)
     backups = merged.pop("backup_workers", None)
