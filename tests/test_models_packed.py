@@ -29,7 +29,9 @@ def test_parts_cut_the_joined_parameters_evenly_and_round_trip(groups):
     assert sum(sizes) == m.num_params == 9610 and max(sizes) - min(sizes) <= 1
     assert all(s.dtype == np.float32 and not s.sparse for s in spec)
     values = m.init_params(np.random.default_rng(0))
+    assert list(values) == ["W1", "b1", "W2", "b2"]
     parts = p.pack(values)
+    assert list(parts) == [s.name for s in spec]
     joined = np.concatenate([parts[s.name] for s in spec])
     assert np.array_equal(joined, np.concatenate([v.reshape(-1) for v in values.values()]))
     back = p.unpack(parts)
@@ -38,6 +40,7 @@ def test_parts_cut_the_joined_parameters_evenly_and_round_trip(groups):
         assert back[name].shape == v.shape and np.array_equal(back[name], v)
     # the chief's initial values are the inner model's, drawn from the same stream
     init = p.init_drawn(np.random.default_rng(0))
+    assert list(init) == list(parts) == [f"{PACK_PREFIX}{k}" for k in range(groups)]
     assert all(np.array_equal(init[k], parts[k]) for k in parts)
 
 
@@ -45,7 +48,9 @@ def test_one_part_is_read_without_a_copy():
     m = MLP([6, 4, 3])
     p = Packed(m)
     parts = p.init_params(np.random.default_rng(0))
+    assert list(parts) == ["packed/0"]
     back = p.unpack(parts)
+    assert list(back) == ["W1", "b1", "W2", "b2"]
     assert all(np.shares_memory(v, parts["packed/0"]) for v in back.values())
 
 
@@ -67,6 +72,7 @@ def test_sgd_on_the_parts_is_sgd_on_the_model_bit_for_bit(groups):
         for k, g in gb.items():
             parts[k] -= np.float32(0.05) * g
     back = p.unpack(parts)
+    assert list(back) == list(plain) == ["W1", "b1", "W2", "b2"]
     assert all(np.array_equal(back[k], plain[k]) for k in plain)
     assert p.accuracy(parts, (d.x_test, d.y_test)) == m.accuracy(plain, (d.x_test, d.y_test))
     assert p.accuracy(parts, (d.x_test, d.y_test)) >= 0.9
@@ -96,6 +102,7 @@ def test_every_dense_optimizer_updates_parts_as_it_updates_the_variables(name, h
         for k, g in gb.items():
             opt.apply_dense(parts[k], g, part_slots[k], t)
     back = p.unpack(parts)
+    assert list(back) == list(plain) == ["W1", "b1", "W2", "b2"]
     for k in plain:
         np.testing.assert_allclose(back[k], plain[k], rtol=1e-6, atol=1e-7)
 
@@ -105,8 +112,9 @@ def test_sparse_tables_stay_variables_of_their_own():
     p = Packed(m, 2)
     names = [s.name for s in p.params_spec()]
     sparse = [s.name for s in m.params_spec() if s.sparse]
+    assert sparse == ["emb0", "emb1"]
     assert names == ["packed/0", "packed/1", *sparse]
-    assert all(s.sparse for s in p.params_spec()[2:])
+    assert [s.sparse for s in p.params_spec()] == [False, False, True, True]
     dense_x, ids, y = data.synthetic_ctr(8, m.vocab, bag=2, dense=3, seed=3)
     batch = (dense_x, ids, y)
     assert {k: list(v) for k, v in p.rows_needed(batch).items()} == {
@@ -121,9 +129,10 @@ def test_sparse_tables_stay_variables_of_their_own():
         assert np.array_equal(gb[k].indices, ga[k].indices)
         assert np.array_equal(gb[k].values, ga[k].values)
     dense_grads = p.unpack({**gb, **{k: values[k] for k in sparse}})
-    for s in m.params_spec():
-        if not s.sparse:
-            assert np.array_equal(dense_grads[s.name], ga[s.name])
+    dense = [s.name for s in m.params_spec() if not s.sparse]
+    assert dense == ["W1", "b1", "W2", "b2"]
+    for name in dense:
+        assert np.array_equal(dense_grads[name], ga[name])
     # the chief draws no table through the packed model either
     assert set(p.init_drawn(np.random.default_rng(0))) == {"packed/0", "packed/1"}
 
@@ -160,7 +169,9 @@ def test_packed_errors(model, groups, message):
 
 def test_parts_of_another_size_are_refused():
     p = Packed(MLP([4, 3, 2]))
-    with pytest.raises(InvalidArgumentError, match=r"the parts hold 5 elements, 'mlp:4,3,2' needs 23"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"the parts hold 5 elements, 'mlp:4,3,2' needs 23"
+    ):
         p.unpack({"packed/0": np.zeros(5, np.float32)})
 
 

@@ -315,6 +315,7 @@ def test_zero_copy_encode_and_decode() -> None:
     data = wire.encode([a, np.arange(5, dtype=np.int64)])
     out = wire.decode(data).arrays
     whole = np.frombuffer(data, np.uint8)
+    assert len(out) == 2
     for arr in out:
         assert np.shares_memory(arr, whole)
         assert not arr.flags.writeable
@@ -347,6 +348,7 @@ def test_buffers_aligned_to_8() -> None:
         data = wire.encode(arrays, names)
         start = _addr(np.frombuffer(data, np.uint8))
         offsets = [_addr(a) - start for a in wire.decode(data).arrays]
+        assert len(offsets) == len(arrays) == 6
         assert all(off % 8 == 0 for off in offsets), offsets
         # buffers follow one another with < 8 bytes of padding, and end the message
         for (off, a), nxt in zip(zip(offsets, arrays, strict=True), offsets[1:], strict=False):
@@ -419,6 +421,7 @@ def test_encode_rows_big_endian_and_noncontiguous() -> None:
     x = np.arange(4 * 6, dtype=">f4").reshape(4, 6)
     y = np.arange(4 * 10, dtype=np.int64).reshape(4, 10)[:, ::2]
     rows = wire.encode_rows([x, y], [np.float32, np.int64], [(6,), (5,)])
+    assert len(rows) == 4
     for i, row in enumerate(rows):
         assert bytes(row) == wire.encode([x[i], y[i]])
 
@@ -550,47 +553,348 @@ def test_oversized_and_overflowing_sizes() -> None:
         wire.decode(b"QW\x01\x00" + struct.pack("<I", 2**32 - 1) + b"\x90")
 
 
-@pytest.mark.parametrize(
-    ("header", "flags", "needle"),
-    [
-        ({"a": 1}, 0, "2-element"),
-        ([[], None, 1], 0, "2-element"),
-        ([{}, None], 0, "components must be an array"),
-        ([[["f4"]], None], 0, "component 0"),
-        ([[["f4", [1], 3]], None], 0, "component 0"),
-        ([[[4, [1]]], None], 0, "dtype code must be a string"),
-        ([[[b"f4", [1]]], None], 0, "dtype code must be a string"),
-        ([[["f4", "12"]], None], 0, "shape must be an array"),
-        ([[["f4", [-1]]], None], 0, "dimension -1"),
-        ([[["f4", [1.0]]], None], 0, "dimension 1.0"),
-        ([[["f4", [True]]], None], 0, "dimension True"),
-        ([[["f4", [None]]], None], 0, "dimension None"),
-        ([[["f4", [1] * 33]], None], 0, "33 dimensions"),
-        ([[["c8", [1]]], None], 0, "unknown dtype code 'c8'"),
-        ([[["object", []]], None], 0, "unknown dtype code"),
-        ([[["u1", [1]]], ["a", "b"]], 1, "2 names for 1"),
-        ([[["u1", [1]]], [1]], 1, "names must be strings"),
-        ([[["u1", [1]]], "a"], 1, "names is str"),
-        ([[["u1", [1]]], ["a"]], 0, "names flag"),
-    ],
-)
-def test_wrong_header_types(header: Any, flags: int, needle: str) -> None:
-    with pytest.raises(DataLossError, match=needle):
-        wire.decode(_craft(header, b"\0" * 64, flags))
+# --------------------------------------------------------------------------- one case per rule
+# Every rule decode enforces on the framing, the header and the body, each way of breaking
+# it its own case. Each case starts from a valid message (_F4_MSG, _NAMED_MSG, ...; see
+# test_rule_baselines_decode) and breaks one thing, and asserts the exact error class and
+# the words of the rule that caught it, so that no rule hides behind another.
+
+_MAX = wire.MAX_MESSAGE_BYTES
+_F4 = ["f4", [2]]  # one component of 8 bytes
+_F4_MSG = _craft([[_F4], None], b"\0" * 8)
+_NAMED_MSG = _craft([[_F4], ["x"]], b"\0" * 8, flags=1)
+_F4_HEND = 8 + len(msgpack.packb([[_F4], None]))  # where _F4_MSG's header ends
+_F4_BUF0 = len(_F4_MSG) - 8  # where its buffer starts (after the header padding)
+_U1_F4 = [["u1", [3]], ["f4", [1]]]  # u1[3], 5 bytes of padding, f4[1]
+_U1_F4_MSG = _craft([_U1_F4, None], b"\1\2\3" + b"\0" * 5 + b"\0" * 4)
+_BOOLS_MSG = _craft([[["b1", [4]], ["b1", [2]]], None], b"\0\1\1\0" + b"\0" * 4 + b"\1\0")
 
 
-def test_malformed_msgpack() -> None:
-    for raw in (
-        b"\xc1",  # never-used byte
-        b"\x92\x90",  # array of 2 with one element
-        b"\x92\x90\xc0\xc0",  # extra data after the header object
-        b"\x92\x91\x92\xa2\xff\xfe\x90\xc0",  # invalid utf-8 in a str
-        b"\x91" * 5000,  # deep nesting
-        b"\xdd\xff\xff\xff\xff",  # array32 of 4 billion elements
-        b"",
+def _prefix(version: int = 1, flags: int = 0, header_len: int = 0) -> bytes:
+    return b"QW" + bytes([version, flags]) + struct.pack("<I", header_len)
+
+
+def _set(data: bytes, pos: int, value: int) -> bytes:
+    out = bytearray(data)
+    out[pos] = value
+    return bytes(out)
+
+
+def _head_len(header: Any) -> int:
+    """The length of a crafted message with this header and no body."""
+    return len(_craft(header))
+
+
+def _rule(
+    case_id: str,
+    data: Any,
+    needle: str,
+    *,
+    max_bytes: int = _MAX,
+    error: type[Exception] = DataLossError,
+    marks: Any = (),
+) -> Any:
+    return pytest.param(data, max_bytes, error, needle, id=case_id, marks=marks)
+
+
+def _hdr(case_id: str, header: Any, needle: str, flags: int = 0) -> Any:
+    """A header-rule case: ``header`` with the 8-byte body of ``_F4_MSG``."""
+    return _rule(case_id, _craft(header, b"\0" * 8, flags), needle)
+
+
+def _raw_hdr(case_id: str, raw: bytes) -> Any:
+    return _rule(case_id, _craft(None, raw=raw), "bad qps message header: not valid msgpack")
+
+
+def _code(case_id: str, code: str, marks: Any = ()) -> Any:
+    data = _craft([[[code, [2]]], None], b"\0" * 8)
+    return _rule(case_id, data, f"unknown dtype code {code!r}", marks=marks)
+
+
+def _dim(case_id: str, dims: list[Any], bad: Any, j: int = 0) -> Any:
+    comps = [_F4, ["u1", dims]] if j else [["u1", dims]]
+    return _hdr(case_id, [comps, None], f"component {j}: dimension {bad!r} is not an int >= 0")
+
+
+def _huge(case_id: str, code: str, dims: list[int]) -> Any:
+    return _hdr(case_id, [[[code, dims]], None], f"component 0: shape {dims} is too large")
+
+
+_TOO_BIG = [["f4", [2**30, 4]]]  # 16 GiB
+_TWO_60 = [["u1", [60]], ["u1", [60]]]  # each fits in 100 bytes, both do not
+
+DECODE_RULES = [
+    # the input must be a C-contiguous bytes-like object (a programming error)
+    _rule("input-str", "QW", "got str", error=InvalidArgumentError),
+    _rule("input-int", 5, "got int", error=InvalidArgumentError),
+    _rule("input-list", list(_F4_MSG), "got list", error=InvalidArgumentError),
+    _rule(
+        "input-noncontiguous-memoryview",
+        memoryview(np.zeros((4, 4), np.uint8)[:, ::2]),
+        "buffer is not C-contiguous bytes",
+        error=InvalidArgumentError,
+    ),
+    # under 8 bytes: a bad magic if what there is is not a prefix of b"QW", else truncated
+    _rule("short-empty", b"", "truncated: 0 bytes, a qps message has at least 8"),
+    _rule("short-magic-q", b"Q", "truncated: 1 bytes, a qps message has at least 8"),
+    _rule("short-bad-first-byte", b"X", "not a qps message (bad magic b'X')"),
+    _rule("short-bad-second-byte", b"QX\x01", "not a qps message (bad magic b'QX')"),
+    _rule("short-good-magic", _F4_MSG[:7], "truncated: 7 bytes, a qps message has at least 8"),
+    # magic
+    _rule("bad-magic", b"XW" + _F4_MSG[2:], "bad magic b'XW', expected b'QW'"),
+    _rule("bad-magic-lowercase", b"qw" + _F4_MSG[2:], "bad magic b'qw', expected b'QW'"),
+    # version
+    _rule("version-0", _set(_F4_MSG, 2, 0), "unsupported qps wire format version 0"),
+    _rule("version-2", _set(_F4_MSG, 2, 2), "unsupported qps wire format version 2"),
+    _rule("version-255", _set(_F4_MSG, 2, 255), "unsupported qps wire format version 255"),
+    # flags: only bit 0 (names) is defined
+    _rule("flag-bit-1", _set(_F4_MSG, 3, 0x02), "unknown flag bits 0x02 (flags 0x02)"),
+    _rule("flag-bit-7", _set(_F4_MSG, 3, 0x80), "unknown flag bits 0x80 (flags 0x80)"),
+    _rule("flag-bit-1-beside-names", _set(_NAMED_MSG, 3, 0x03), "unknown flag bits 0x02"),
+    # header_len: within max_bytes, then within the data
+    _rule(
+        "header-len-past-default-limit",
+        _prefix(header_len=2**32 - 1) + b"\x90",
+        f"message declares at least {2**32 + 7} bytes, limit {_MAX}",
+    ),
+    _rule(
+        "header-len-past-max-bytes",
+        _F4_MSG,
+        f"message declares at least {_F4_HEND} bytes, limit {_F4_HEND - 1}",
+        max_bytes=_F4_HEND - 1,
+    ),
+    _rule(
+        "header-len-past-the-data",
+        _prefix(header_len=1000) + b"\x90",
+        "truncated: header declares 1000 bytes but 1 follow the prefix",
+    ),
+    # the header must be one well-formed msgpack object, nothing after it
+    _raw_hdr("msgpack-empty", b""),
+    _raw_hdr("msgpack-reserved-byte", b"\xc1"),
+    _raw_hdr("msgpack-incomplete", b"\x92\x90"),
+    _raw_hdr("msgpack-extra-data", b"\x92\x90\xc0\xc0"),
+    _raw_hdr("msgpack-invalid-utf8", b"\x92\x91\x92\xa2\xff\xfe\x90\xc0"),
+    _raw_hdr("msgpack-too-deep", b"\x91" * 5000 + b"\xc0"),
+    _raw_hdr("msgpack-array-longer-than-header", b"\xdd\xff\xff\xff\xff"),
+    _raw_hdr("msgpack-str-longer-than-header", b"\xdb\xff\xff\xff\xff"),
+    _raw_hdr("msgpack-int-map-key", msgpack.packb({1: 2})),
+    _rule(
+        "header-len-one-short",
+        _F4_MSG[:4] + struct.pack("<I", _F4_HEND - 9) + _F4_MSG[8:],
+        "bad qps message header: not valid msgpack",
+    ),
+    _rule(
+        "header-len-one-long",  # the header takes a padding byte: extra data
+        _F4_MSG[:4] + struct.pack("<I", _F4_HEND - 7) + _F4_MSG[8:],
+        "bad qps message header: not valid msgpack",
+    ),
+    # the header is the array [components, names]
+    _hdr("top-map", {"c": [], "n": None}, "expected a 2-element array [components, names]"),
+    _hdr("top-int", 7, "expected a 2-element array [components, names]"),
+    _hdr("top-nil", None, "expected a 2-element array [components, names]"),
+    _hdr("top-ext", msgpack.ExtType(1, b"x"), "expected a 2-element array [components, names]"),
+    _hdr("top-empty-array", [], "expected a 2-element array [components, names]"),
+    _hdr("top-1-element", [[_F4]], "expected a 2-element array [components, names]"),
+    _hdr("top-3-element", [[_F4], None, None], "expected a 2-element array [components, names]"),
+    # components is an array
+    _hdr("components-map", [{"f4": [2]}, None], "components must be an array, got dict"),
+    _hdr("components-nil", [None, None], "components must be an array, got NoneType"),
+    _hdr("components-str", ["f4", None], "components must be an array, got str"),
+    # each component is the array [dtype, shape]
+    _hdr("component-str", [["f4"], None], "component 0 must be a 2-element array [dtype, shape]"),
+    _hdr("component-map", [[{"f4": [2]}], None], "component 0 must be a 2-element array"),
+    _hdr("component-1-element", [[["f4"]], None], "component 0 must be a 2-element array"),
+    _hdr("component-3-element", [[["f4", [2], 0]], None], "component 0 must be a 2-element array"),
+    _hdr("second-component-int", [[_F4, 3], None], "component 1 must be a 2-element array"),
+    # the dtype code is a string...
+    _hdr("dtype-int", [[[4, [2]]], None], "component 0: dtype code must be a string, got int"),
+    _hdr(
+        "dtype-bin", [[[b"f4", [2]]], None], "component 0: dtype code must be a string, got bytes"
+    ),
+    _hdr("dtype-nil", [[[None, [2]]], None], "dtype code must be a string, got NoneType"),
+    _hdr("dtype-array", [[[["f4"], [2]]], None], "dtype code must be a string, got list"),
+    _hdr("second-dtype-int", [[_F4, [4, [2]]], None], "component 1: dtype code must be a string"),
+    # ...and a known code
+    _code("dtype-unknown", "c8"),
+    _code("dtype-empty", ""),
+    _code("dtype-byte-order-prefix", "<f4"),
+    _code("dtype-numpy-name", "float32"),
+    _code("dtype-uppercase", "F4"),
+    _code("dtype-unicode", "U1"),
+    _code("dtype-object", "O"),
+    _code("dtype-bytes-without-width", "S"),
+    _code("dtype-bytes-zero-width", "S0"),
+    _code("dtype-bytes-leading-zero", "S01"),
+    _code("dtype-bytes-plus-sign", "S+1"),
+    _code("dtype-bytes-negative-width", "S-1"),
+    _code("dtype-bytes-past-max-width", f"S{wire.MAX_STRING_ITEMSIZE + 1}"),
+    _code("dtype-bytes-non-ascii-digit", "S\u0661"),
+    _code("dtype-bytes-trailing-space", "S1 "),
+    _code("dtype-bytes-lowercase", "s1"),
+    _rule(
+        "dtype-bf16-without-ml_dtypes",
+        _craft([[["bf16", [2]]], None], b"\0" * 4),
+        "dtype code 'bf16' needs the optional package ml_dtypes",
+        marks=pytest.mark.skipif(ml_dtypes is not None, reason="ml_dtypes is installed"),
+    ),
+    # the shape is an array...
+    _hdr("shape-str", [[["f4", "2"]], None], "component 0: shape must be an array, got str"),
+    _hdr("shape-int", [[["f4", 2]], None], "component 0: shape must be an array, got int"),
+    _hdr("shape-nil", [[["f4", None]], None], "component 0: shape must be an array, got NoneType"),
+    _hdr("shape-map", [[["f4", {"0": 2}]], None], "component 0: shape must be an array, got dict"),
+    _hdr("shape-bin", [[["f4", b"\x02"]], None], "component 0: shape must be an array, got bytes"),
+    # ...of at most MAX_NDIM dimensions...
+    _hdr("ndim-33", [[["u1", [1] * 33]], None], "component 0 has 33 dimensions, most is 32"),
+    _hdr("ndim-33-empty", [[["u1", [0] * 33]], None], "component 0 has 33 dimensions, most is 32"),
+    # ...each an int >= 0 (msgpack's bool is no int)...
+    _dim("dim-negative", [-1], -1),
+    _dim("dim-most-negative", [-(2**63)], -(2**63)),
+    _dim("dim-negative-after-a-good-one", [2, -1], -1),
+    _dim("dim-negative-in-second-component", [-3], -3, j=1),
+    _dim("dim-float", [2.0], 2.0),
+    _dim("dim-bool-true", [True], True),
+    _dim("dim-bool-false", [False], False),
+    _dim("dim-nil", [None], None),
+    _dim("dim-str", ["2"], "2"),
+    _dim("dim-array", [[2]], [2]),
+    # ...whose bytes (zero dimensions aside) numpy can describe
+    _huge("dim-past-intp", "u1", [2**63]),
+    _huge("dim-u64-max", "u1", [2**64 - 1]),
+    _huge("shape-product-past-intp", "u1", [2**32, 2**32]),
+    _huge("itemsize-times-count-past-intp", "f8", [2**60]),
+    _huge("bytes-width-times-count-past-intp", "S2147483647", [2**33]),
+    _huge("zero-dim-beside-a-huge-rest", "f8", [0, 2**63 - 1]),
+    # names: an array of one str per component exactly when flag bit 0 is set
+    _hdr(
+        "names-flag-but-nil", [[_F4], None], "flags say names are present but names is NoneType", 1
+    ),
+    _hdr("names-flag-but-str", [[_F4], "x"], "flags say names are present but names is str", 1),
+    _hdr(
+        "names-flag-but-map", [[_F4], {"x": 0}], "flags say names are present but names is dict", 1
+    ),
+    _hdr("names-too-many", [[_F4], ["x", "y"]], "2 names for 1 components", 1),
+    _hdr("names-too-few", [[_F4], []], "0 names for 1 components", 1),
+    _hdr("name-int", [[_F4], [1]], "names must be strings, got int", 1),
+    _hdr("name-bin", [[_F4], [b"x"]], "names must be strings, got bytes", 1),
+    _hdr("name-nil", [[_F4], [None]], "names must be strings, got NoneType", 1),
+    _hdr("names-without-flag", [[_F4], ["x"]], "names present but the names flag is not set"),
+    _hdr("empty-names-without-flag", [[_F4], []], "names present but the names flag is not set"),
+    _hdr("names-str-without-flag", [[_F4], "x"], "names present but the names flag is not set"),
+    # the size the header implies: within max_bytes...
+    _rule(
+        "size-past-default-limit",
+        _craft([_TOO_BIG, None], b"\0" * 16),
+        f"message declares {_head_len([_TOO_BIG, None]) + 2**34} bytes, limit {_MAX}",
+    ),
+    _rule(
+        "size-past-max-bytes",
+        _F4_MSG,
+        f"message declares {len(_F4_MSG)} bytes, limit {len(_F4_MSG) - 1}",
+        max_bytes=len(_F4_MSG) - 1,
+    ),
+    _rule(
+        "components-together-past-max-bytes",
+        _craft([_TWO_60, None], b"\0" * 124),
+        f"message declares {_head_len([_TWO_60, None]) + 124} bytes, limit 100",
+        max_bytes=100,
+    ),
+    # ...and exactly the length of the data: no fewer bytes...
+    _rule(
+        "truncated-last-byte",
+        _F4_MSG[:-1],
+        f"truncated: header implies {len(_F4_MSG)} bytes, got {len(_F4_MSG) - 1}",
+    ),
+    _rule(
+        "truncated-whole-buffer",
+        _F4_MSG[:_F4_BUF0],
+        f"truncated: header implies {len(_F4_MSG)} bytes, got {_F4_BUF0}",
+    ),
+    _rule(
+        "truncated-in-header-padding",
+        _F4_MSG[: _F4_HEND + 1],
+        f"truncated: header implies {len(_F4_MSG)} bytes, got {_F4_HEND + 1}",
+    ),
+    _rule(
+        "truncated-bytes-width-too-wide",  # S6[2] is 12 bytes: 10 given
+        _craft([[["S6", [2]]], None], b"abcdefghij"),
+        "truncated: header implies",
+    ),
+    # ...and no more
+    _rule("trailing-one-byte", _F4_MSG + b"\0", f"trailing bytes: 1 after the {len(_F4_MSG)}-byte"),
+    _rule(
+        "trailing-padding-after-last-buffer",
+        _craft([[["u1", [3]]], None], b"abc" + b"\0" * 5),
+        "trailing bytes: 5 after the",
+    ),
+    _rule(
+        "trailing-after-no-components",
+        wire.encode([]) + b"\0",
+        f"trailing bytes: 1 after the {len(wire.encode([]))}-byte message",
+    ),
+    _rule(
+        "trailing-bytes-width-too-narrow",  # S4[2] is 8 bytes: 10 given
+        _craft([[["S4", [2]]], None], b"abcdefghij"),
+        "trailing bytes: 2 after the",
+    ),
+    # padding is zeros
+    _rule(
+        "nonzero-header-padding",
+        _set(_F4_MSG, _F4_BUF0 - 1, 1),
+        f"nonzero padding in bytes [{_F4_HEND}, {_F4_BUF0})",
+    ),
+    _rule(
+        "nonzero-padding-between-buffers",
+        _set(_U1_F4_MSG, len(_U1_F4_MSG) - 5, 0x80),
+        f"nonzero padding in bytes [{len(_U1_F4_MSG) - 9}, {len(_U1_F4_MSG) - 4})",
+    ),
+    # bool bytes are 0 or 1
+    _rule(
+        "bool-byte-2",
+        _set(_BOOLS_MSG, len(_BOOLS_MSG) - 10, 2),
+        "component 0: bool bytes other than 0 and 1",
+    ),
+    _rule(
+        "bool-byte-255",
+        _set(_BOOLS_MSG, len(_BOOLS_MSG) - 7, 255),
+        "component 0: bool bytes other than 0 and 1",
+    ),
+    _rule(
+        "bool-in-second-component",
+        _set(_BOOLS_MSG, len(_BOOLS_MSG) - 1, 3),
+        "component 1: bool bytes other than 0 and 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "max_bytes", "error", "needle"), DECODE_RULES)
+def test_decode_enforces_each_rule(
+    data: Any, max_bytes: int, error: type[Exception], needle: str
+) -> None:
+    with pytest.raises(error) as info:
+        wire.decode(data, max_bytes=max_bytes)
+    assert type(info.value) is error  # the class itself, not some subclass
+    assert needle in str(info.value), str(info.value)
+
+
+def test_rule_baselines_decode() -> None:
+    """The valid messages the rule cases break, each as its case would need it."""
+    (a,) = wire.decode(_F4_MSG, max_bytes=len(_F4_MSG)).arrays  # the limit is inclusive
+    assert a.dtype == np.float32 and a.shape == (2,)
+    msg = wire.decode(_NAMED_MSG)
+    assert msg.names == ["x"] and msg.arrays[0].shape == (2,)
+    assert [b.tolist() for b in wire.decode(_U1_F4_MSG).arrays] == [[1, 2, 3], [0.0]]
+    bools = wire.decode(_BOOLS_MSG).arrays
+    assert [b.tolist() for b in bools] == [[False, True, True, False], [True, False]]
+    for header, body in (
+        ([[["u1", [1] * 32]], None], b"\0"),  # MAX_NDIM dimensions
+        ([[["u1", [0] * 32]], None], b""),
+        ([[["u1", [0, 2**40]]], None], b""),  # empty, and numpy can describe it
+        ([[["S2147483647", [0, 2]]], None], b""),
+        ([[["S3", []]], None], b"abc"),
+        ([[], None], b""),
     ):
-        with pytest.raises(DataLossError, match="bad qps message header"):
-            wire.decode(_craft(None, raw=raw))
+        assert len(wire.decode(_craft(header, body)).arrays) == len(header[0])
+    assert wire.decode(_craft([[], []], flags=1)).names == []
 
 
 @pytest.mark.skipif(ml_dtypes is not None, reason="ml_dtypes is installed")
@@ -650,15 +954,22 @@ _arrays = _dtypes.flatmap(
 @given(
     arrays=st.lists(_arrays, min_size=0, max_size=4),
     with_names=st.booleans(),
+    name_pool=st.lists(st.text(max_size=6), min_size=4, max_size=4),
     transpose=st.booleans(),
 )
-def test_property_roundtrip(arrays: list[np.ndarray], with_names: bool, transpose: bool) -> None:
+def test_property_roundtrip(
+    arrays: list[np.ndarray], with_names: bool, name_pool: list[str], transpose: bool
+) -> None:
     if transpose:
         arrays = [a.T for a in arrays]
-    names = [f"n{i}" for i in range(len(arrays))] if with_names else None
+    names = name_pool[: len(arrays)] if with_names else None  # any text, "" and repeats too
     msg = _roundtrip(arrays, names)
     assert msg.names == names
     data = wire.encode(arrays, names)
+    # a bytearray decodes to the same arrays, writable this time
+    again = wire.decode(bytearray(data))
+    assert all(_same(a, b) for a, b in zip(arrays, again.arrays, strict=True))
+    assert all(b.flags.writeable for b in again.arrays)
     assert data.startswith(
         wire.header_bytes([a.dtype for a in arrays], [a.shape for a in arrays], names)
     )
@@ -675,9 +986,11 @@ _SEEDS = [
 
 @st.composite
 def _mutated(draw: st.DrawFn) -> bytes:
+    u32 = st.integers(0, 2**32 - 1)
     data = bytearray(draw(st.sampled_from(_SEEDS)))
     for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
+        kinds = ["flip", "set", "insert", "delete", "truncate", "append", "header_len"]
+        kind = draw(st.sampled_from(kinds))
         pos = draw(st.integers(0, max(len(data) - 1, 0)))
         if kind == "flip" and data:
             data[pos] ^= 1 << draw(st.integers(0, 7))
@@ -687,6 +1000,16 @@ def _mutated(draw: st.DrawFn) -> bytes:
             data[pos:pos] = draw(st.binary(min_size=1, max_size=9))
         elif kind == "delete":
             del data[pos : pos + draw(st.integers(1, 9))]
+        elif kind == "append":  # an extension past the end, zeros (padding-like) or not
+            data += draw(st.binary(min_size=1, max_size=9) | st.integers(1, 9).map(bytes))
+        elif kind == "header_len" and len(data) >= 8:  # a little off, or anything
+            (hl,) = struct.unpack_from("<I", data, 4)
+            hl = (
+                min(max(0, hl + draw(st.integers(-8, 8))), 2**32 - 1)
+                if draw(st.booleans())
+                else draw(u32)
+            )
+            data[4:8] = struct.pack("<I", hl)
         else:
             del data[pos:]
     return bytes(data)
@@ -706,6 +1029,16 @@ def test_fuzz_decode_only_raises_data_loss(data: bytes) -> None:
     again = wire.decode(wire.encode(msg.arrays, msg.names))
     assert again.names == msg.names
     assert all(_same(a, b) for a, b in zip(msg.arrays, again.arrays, strict=True))
+    # and is well formed: this version's prefix, flags that match the names, bools 0/1,
+    # and after the header zero padding, then exactly the buffers (and padding) encode
+    # writes (the msgpack itself may be spelled another way than encode spells it)
+    assert data[:3] == b"QW\x01" and data[3] == (msg.names is not None)
+    (hl,) = struct.unpack_from("<I", data, 4)
+    body = b"".join(wire.encode_parts(msg.arrays, msg.names)[1:])
+    start = len(data) - len(body)
+    assert start == (8 + hl + 7) // 8 * 8
+    assert data[8 + hl : start] == bytes(start - 8 - hl) and data[start:] == body
+    assert all(a.view(np.uint8).max(initial=0) <= 1 for a in msg.arrays if a.dtype == np.bool_)
 
 
 @settings(max_examples=100, deadline=None)
@@ -781,3 +1114,103 @@ def test_fuzz_huge_declared_shapes_are_refused_before_allocation(
         # declare any shape)
         assert len(data) <= limit
         assert sum(a.nbytes for a in out.arrays) <= body
+
+
+# Structural fuzz: the header of a valid message, unpacked, with one node of its tree
+# replaced, removed or added (any msgpack value, or one of the kind a header holds there),
+# and the flags left or changed. That reaches every rule of the header, not only the ones
+# a byte flip of a valid header happens to hit, and sometimes gives another valid message.
+_anything = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=4)
+    | st.binary(max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=2), kids, max_size=2)
+    ),
+    max_leaves=6,
+)
+_header_parts = (
+    st.integers(0, 4)
+    | st.integers(-3, -1)
+    | st.integers(2**20, 2**64 - 1)
+    | _codes
+    | st.sampled_from(["bf16", "S", "S01", "c8", "", "<f4"])
+    | st.text(max_size=3)
+    | st.lists(st.integers(0, 3), max_size=3)
+    | st.lists(st.just(1), min_size=31, max_size=34)
+)
+_small_arrays = (
+    st.sampled_from(ALL_DTYPES) | st.integers(1, 5).map(lambda n: np.dtype(f"S{n}"))
+).flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, max_side=3)))
+
+
+def _list_slots(node: Any, depth: int = 0) -> list[tuple[int, list[Any], int]]:
+    """(depth, list, index) of every list element of a header tree."""
+    out: list[tuple[int, list[Any], int]] = []
+    if type(node) is list:
+        for k, child in enumerate(node):
+            out.append((depth, node, k))
+            out += _list_slots(child, depth + 1)
+    return out
+
+
+@st.composite
+def _twisted_message(draw: st.DrawFn) -> tuple[bytes, int]:
+    arrays = draw(st.lists(_small_arrays, min_size=1, max_size=3))
+    n = len(arrays)
+    names = draw(st.none() | st.lists(st.text(max_size=3), min_size=n, max_size=n))
+    data = wire.encode(arrays, names)
+    (hl,) = struct.unpack_from("<I", data, 4)
+    header = msgpack.unpackb(data[8 : 8 + hl])
+    body = data[(8 + hl + 7) // 8 * 8 :]  # the buffers, after the header padding
+    # deepest first: hypothesis leans to the first choices, and the rules nest
+    slots = [(parent, k) for _, parent, k in sorted(_list_slots(header), key=lambda t: -t[0])]
+    how = draw(st.sampled_from(["replace", "delete", "insert", "none"]))
+    value = draw(_header_parts | _anything)
+    if how != "none":
+        parent, k = draw(st.sampled_from(slots))
+        if how == "replace":
+            parent[k] = value
+        elif how == "delete":
+            del parent[k]
+        else:
+            parent.insert(k, value)
+    flags = data[3] if draw(st.booleans()) else draw(st.sampled_from([0, 1]) | st.integers(0, 255))
+    return _craft(header, body, flags), flags
+
+
+def _outcome(data: Any) -> Any:
+    """What decoding ``data`` gives, in a form that compares across buffer types."""
+    try:
+        msg = wire.decode(data)
+    except DataLossError as exc:
+        return ("error", str(exc))
+    layout = [(a.dtype.str, a.shape, a.tobytes()) for a in msg.arrays]
+    return ("ok", layout, msg.names)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(message=_twisted_message())
+def test_fuzz_structured_headers(message: tuple[bytes, int]) -> None:
+    """Any header object: decode refuses it with DataLossError (any other exception fails
+    the test), or accepts it and then the message is exactly what encode writes for the
+    arrays it gives. Nothing the header declares is allocated, and bytes, bytearray and a
+    memoryview into a larger buffer all give the same outcome."""
+    data, flags = message
+    out, peak = _peak_while(lambda: wire.decode(data))
+    assert peak < _HEADER_ALLOC + 64 * len(data), peak
+    padded = bytearray(b"x" * 3) + data + bytearray(b"y" * 5)
+    expected = _outcome(data)
+    assert _outcome(bytearray(data)) == expected
+    assert _outcome(memoryview(padded)[3 : 3 + len(data)]) == expected
+    if isinstance(out, DataLossError):
+        assert str(out) == expected[1]
+        return
+    # accepted: the names follow flag bit 0, and the bytes are encode's, no more, no less
+    assert flags in (0, 1)
+    assert (out.names is not None) == (flags == 1)
+    assert out.names is None or len(out.names) == len(out.arrays)
+    assert wire.encode(out.arrays, out.names) == data
