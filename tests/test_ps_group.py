@@ -285,12 +285,11 @@ async def test_a_failed_group_commit_leaves_nothing_applied(
     await _check_state(client, opt)
 
 
-async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
-    client: qps.Client, monkeypatch: pytest.MonkeyPatch, channel: str
+async def _committed_not_acked(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, opt: Optimizer
 ) -> None:
-    """Every variable committed the group, then the ack failed: the messages come
-    back and are all skipped (their ids are recorded); nothing is applied twice."""
-    opt = Adam(learning_rate=0.1)
+    """The N messages of a finished job, committed as a group by a shard whose ack then
+    failed: every variable recorded them, and they wait to be delivered again."""
     await _setup(client, opt)
     await _push_all(client)
     await control.mark_finished(client, C)
@@ -306,8 +305,17 @@ async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
 
     monkeypatch.setattr(Shard, "_settle", no_ack)
     with pytest.raises(UnavailableError):
-        await asyncio.wait_for(first.run(), 60)
+        await within(first.run(), 60, "the first shard's ack fails")
     monkeypatch.setattr(Shard, "_settle", real)
+
+
+async def test_an_ack_lost_after_the_group_commit_skips_the_redelivery(
+    client: qps.Client, monkeypatch: pytest.MonkeyPatch, channel: str
+) -> None:
+    """Every variable committed the group, then the ack failed: the messages come
+    back and are all skipped (their ids are recorded); nothing is applied twice."""
+    opt = Adam(learning_rate=0.1)
+    await _committed_not_acked(client, monkeypatch, opt)
     assert await _waiting(client, channel) == N
     second = Shard(client, ShardOptions(0, 1, container=C, lease_ms=LEASE_MS))
     assert await asyncio.wait_for(second.run(), 60) == "finished"
@@ -322,22 +330,7 @@ async def test_a_look_up_that_misses_an_applied_message_stops_the_shard(
     was not applied (here the look-up is made to miss): the shard stops with an
     InternalError naming the message, instead of delivering the group again and again
     (each delivery refused the same way: a livelock) or applying it twice."""
-    opt = SGD(learning_rate=1.0)
-    await _setup(client, opt)
-    await _push_all(client)
-    await control.mark_finished(client, C)
-    first = Shard(client, ShardOptions(0, 1, container=C, commit_interval_ms=60_000))
-    real = Shard._settle
-
-    async def no_ack(self: Shard, q: Any, ds: Any, *, ack: bool, **kw: Any) -> bool:
-        if ack:
-            raise UnavailableError("Redis went away (test)")
-        return await real(self, q, ds, ack=ack, **kw)
-
-    monkeypatch.setattr(Shard, "_settle", no_ack)
-    with pytest.raises(UnavailableError):
-        await asyncio.wait_for(first.run(), 60)
-    monkeypatch.setattr(Shard, "_settle", real)
+    await _committed_not_acked(client, monkeypatch, SGD(learning_rate=1.0))
 
     async def missed(self: Shard, msgs: Any) -> tuple[list[dict[str, bool]], list[bool]]:
         return [dict.fromkeys(m.grads, False) for m in msgs], [False] * len(msgs)
