@@ -10,6 +10,7 @@ import pytest
 import qps
 from qps import keys, wire
 from qps.errors import InvalidArgumentError
+from tests.conftest import until
 
 
 async def _items(client, q):
@@ -112,8 +113,11 @@ async def test_held_large_elements_keep_their_chunks(client):
 
     task = asyncio.create_task(q.dequeue_many(2))  # holds the first, waits for a second
     prefix = keys.queue_prefix("default", "held")
-    while (await q.stats()).held != 1:
-        await asyncio.sleep(0.01)
+
+    async def holds_one() -> bool:
+        return (await q.stats()).held == 1
+
+    await until(holds_one, what="the dequeue_many holds the first element")
     chunk_keys = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
     assert chunk_keys and [await client.commands.pttl(k) for k in chunk_keys] == [-1] * len(
         chunk_keys

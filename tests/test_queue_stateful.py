@@ -640,6 +640,8 @@ class QueueMachine(RuleBasedStateMachine):
             await asyncio.sleep(0 if turns < 20 else 0.001)
 
     async def still_waiting(self) -> None:
+        # loop turns, not time: a call the model says waits must not have finished; the
+        # snapshot compared next (the waiting calls Redis holds) is the check on state
         for _ in range(TURNS):
             await asyncio.sleep(0)
         for a in self.waiting():
