@@ -1,6 +1,6 @@
 """Every Redis key qps uses is spelled here, and nowhere else.
 
-Layout (DESIGN.md §4.1): all keys of one resource share one hash tag, so each Lua
+Layout (docs/keys.md): all keys of one resource share one hash tag, so each Lua
 script touches a single slot and the same code runs on Redis Cluster::
 
     qps:{<container>/q/<name>}:meta      hash: spec, closed flag, counters, RNG state

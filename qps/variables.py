@@ -1,5 +1,5 @@
 """Variables: named, versioned tensors in a resource container, written by one writer
-(the PS shard that owns them) and read by anyone straight from Redis (DESIGN.md §4.6).
+(the PS shard that owns them) and read by anyone straight from Redis (docs/variables.md).
 
 Storage (``P = qps:{<container>/v/<name>}:``, spelled by :func:`qps.keys.variable_prefix`)::
 
@@ -10,7 +10,7 @@ Storage (``P = qps:{<container>/v/<name>}:``, spelled by :func:`qps.keys.variabl
     P s:<id>          string: rows staged by a publish_rows in flight (10 min TTL)
 
 **Generations.** :meth:`Variable.publish` writes the new value under a fresh generation
-id with plain commands, one ``SET`` per segment (DESIGN.md §4.2: the bytes never pass
+id with plain commands, one ``SET`` per segment (docs/variables.md, "Storage": the bytes never pass
 through Lua), then one small script checks the fencing token and the version
 and flips ``gen`` to it. The flip keeps the previous generation (``prev``, at version
 ``pver``) for :data:`PREV_TTL_MS` or until the next flip, and deletes the one before, so

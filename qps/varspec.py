@@ -44,7 +44,7 @@ __all__ = [
     "split_runs",
 ]
 
-#: Large values move in chunks of this size (DESIGN.md §4.5).
+#: Large values move in chunks of this size (docs/variables.md, "Storage").
 CHUNK_BYTES = 1 << 20
 #: Most bytes in one segment key: 4 MiB less Redis's string header and some slack, so
 #: that the allocation is exactly jemalloc's 4 MiB class.

@@ -1,5 +1,5 @@
 """workers/input.py: Coordinator, QueueRunner and the batching helpers, against
-TF1_SEMANTICS.md §3 and conformance cases 55-61. Queue tests run on both backends
+docs/input.md and its conformance cases 55-61. Queue tests run on both backends
 (fakeredis and a real server); nothing asserts on elapsed time.
 """
 

@@ -1,9 +1,9 @@
 """Optimizer rules (qps.optimizers) against plain-NumPy references of TF1's formulas.
 
-The references below are written from the formulas in TF1_SEMANTICS.md §6 (TF's
+The references below are written from TF 1.x's update formulas (TF's
 ``Apply*`` kernels), in float64, as pure functions of (w, g, slots, t), independently of
-the in-place implementation. The numbered tests are the optimizer conformance cases of
-TF1_SEMANTICS.md (72–79), whose figures were obtained by running TensorFlow.
+the in-place implementation. The numbered tests are the optimizer conformance cases
+(72–79, docs/optimizers.md), whose figures were obtained by running TensorFlow.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def test_blocked_apply_equals_whole_array_apply(config, monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
-# ------------------------------------------------ TF1_SEMANTICS conformance (72–79)
+# ------------------------------------------------------- TF 1.x conformance (72–79)
 
 
 def one_step(opt: Optimizer, w=1.0, g=0.5, step=1, **slot_values) -> tuple[float, Slots]:

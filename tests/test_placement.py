@@ -1,5 +1,5 @@
 """Placement strategies, partitioners, partitioned variables and embedding_lookup, against
-TF 1.x's documented arithmetic and the conformance cases of TF1_SEMANTICS §9 (66-71).
+TF 1.x's documented arithmetic and the conformance cases 66-71 (docs/variables.md).
 
 Pure functions are tested directly (with hypothesis); partitioned variables and lookups
 from Redis run on both backends.

@@ -1,5 +1,5 @@
 """Exactly-once gradient application across SIGKILLs of the PS shard (and a Redis
-restart with AOF), with real processes on a real server (DESIGN.md §4.7).
+restart with AOF), with real processes on a real server (docs/ps.md, "Exactly once").
 
 Four worker processes push SGD gradients of known small integer values (float64, so
 every sum is exact) while the shard process (``qps ps``) is SIGKILLed five times at

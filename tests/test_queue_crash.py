@@ -1,6 +1,6 @@
 """Processes killed with SIGKILL in the middle of a queue operation (real server only).
 
-Their attempts are undone once their lease runs out (TF1_SEMANTICS.md §10.8): elements a
+Their attempts are undone once their lease runs out (docs/queues.md, "Acknowledged dequeues"): elements a
 dead consumer had collected go back to the front in order, and a dead producer's
 not-yet-inserted elements are dropped, so nobody behind it waits forever.
 """

@@ -1,4 +1,5 @@
-"""FIFOQueue against the conformance cases of TF1_SEMANTICS.md §9 (numbers in names)."""
+"""FIFOQueue against the conformance cases of docs/queues.md, "Conformance with
+TensorFlow 1.x" (numbers in names)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PaddingFIFOQueue: TF1_SEMANTICS.md §1.9 and conformance cases 40-43."""
+"""PaddingFIFOQueue: docs/queues.md and conformance cases 40-43."""
 
 from __future__ import annotations
 

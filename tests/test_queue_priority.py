@@ -1,4 +1,4 @@
-"""PriorityQueue: TF1_SEMANTICS.md §1.10 and conformance cases 44-45."""
+"""PriorityQueue: docs/queues.md and conformance cases 44-45."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Property tests: random operation sequences checked against an in-memory model.
 
-The model covers the non-blocking subset of TF1_SEMANTICS.md §1 (the ``*_nowait`` calls,
+The model covers the non-blocking subset of TF's queue semantics (docs/queues.md; the ``*_nowait`` calls,
 ``close``, ``size``, ``is_closed``, ``peek``) driven by one client, one call at a time, so
 every outcome is exact: which error, how many elements, and (FIFO, padding) which ones.
 

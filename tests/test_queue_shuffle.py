@@ -1,4 +1,4 @@
-"""RandomShuffleQueue: TF1_SEMANTICS.md §1.8 and conformance cases 33-39."""
+"""RandomShuffleQueue: docs/queues.md and conformance cases 33-39."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each machine drives one shared queue from 2-3 clients (separate :class:`qps.tran
 objects on one fakeredis server) through random interleavings of enqueue, enqueue_many,
 dequeue, dequeue_many, dequeue_up_to (``_nowait``, blocking, and ``timeout=0``), plain and
 cancelling close, and asyncio cancellation of calls that are waiting. An in-memory model of
-TF1_SEMANTICS.md §1 (two strict FIFO attempt lines, head-of-line blocking, partial progress,
+TF's queue semantics (docs/queues.md: two strict FIFO attempt lines, head-of-line blocking, partial progress,
 close joining the enqueue line) decides the outcome of every call, including which waiting
 call an enqueue serves.
 
@@ -110,7 +110,7 @@ class Att:
 
 
 class Model:
-    """TF's queue semantics with pending attempts (TF1_SEMANTICS.md §1, docs/queues.md).
+    """TF's queue semantics with pending attempts (docs/queues.md).
 
     A shuffle queue's model knows how many elements are stored and held, not which: its
     ``items`` and ``held`` lists hold ``None`` placeholders and ``pool`` counts the

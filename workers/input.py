@@ -17,7 +17,7 @@ each awaiting an *enqueue op* (a zero-argument coroutine function) in a loop. TF
 The end of a source (``StopIteration``, ``StopAsyncIteration``, or an
 :class:`~qps.errors.OutOfRangeError` raised by the callable) is TF's end of input: the
 task stops, and the last task of the runner closes the queue, so consumers get the
-stored batches and then ``OutOfRangeError`` (TF1_SEMANTICS.md §3.2-3.3).
+stored batches and then ``OutOfRangeError`` (docs/input.md).
 
 An example is what the queue's ``enqueue`` takes: one array, a list or tuple of
 components, or a dict (then the queue has ``names``). Dtypes and shapes not given are

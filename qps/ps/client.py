@@ -2,7 +2,7 @@
 messages to the shards' queues, read the global step. :class:`qps.Session` uses one
 :class:`PSClient` (``sess.pull``, ``sess.push``, ...).
 
-Reads never involve a PS process (DESIGN.md §4.6): a pull reads the published variable
+Reads never involve a PS process (docs/ps.md): a pull reads the published variable
 and notes its version; the next push of a gradient for that variable carries that
 version, so the shard can record the staleness of the update (TF's asynchronous
 training: the shard applies it on arrival whatever its staleness).
@@ -372,7 +372,7 @@ class PSClient:
         goes onto the shard's :class:`~qps.ps.gradlist.GradientList` instead: one
         ``RPUSH`` in the round trip of ``then`` (the next pull; synchronous training:
         the token's wait and the next pull). A larger one goes through the queue, in
-        chunks (DESIGN.md §4.5); the shard reads both."""
+        chunks (docs/queues.md, "Large elements"); the shard reads both."""
         if not self.client.cluster and len(payload) <= LIST_MAX_BYTES:
             return await self._send_list(shard, payload, then, then_out, blocking)
         for attempt in range(1, PUSH_TRIES + 1):

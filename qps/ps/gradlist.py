@@ -3,8 +3,8 @@
 In synchronous training a worker pushes one gradient per update and then blocks on its
 token: the token gates it, so its gradients need no queue capacity, no waiting pushes
 and no attempt records. What is left of the gradient queue's work is a reliable hand-off
-to the shard, and a plain Redis list gives that with one command each way (DESIGN.md
-§4.7, "processing list"):
+to the shard, and a plain Redis list gives that with one command each way (docs/ps.md,
+"Exactly once"):
 
 * a worker ``RPUSH``es its encoded message onto the shard's list ``<S>glist``, in the
   round trip that then blocks on its token and reads the next parameters;

@@ -1,4 +1,4 @@
-"""A PS shard: the single writer of the variables placed on it (DESIGN.md §4.6).
+"""A PS shard: the single writer of the variables placed on it (docs/ps.md).
 
 Shard ``i`` of a job in container ``C``:
 

@@ -6,7 +6,7 @@ attempt lists (TensorFlow's model: head-of-line blocking, ``close`` queued behin
 earlier enqueues) and its caller blocks in ``BLPOP`` on the attempt's wake key; the
 script that makes progress for it pushes the wake token. Nothing polls.
 
-Guarantees beyond TensorFlow's (TF1_SEMANTICS.md §10):
+Guarantees beyond TensorFlow's (docs/queues.md, "Where qps differs from TensorFlow 1.x"):
 
 * cancellation atomicity: a dequeue that raises (timeout, asyncio cancellation, client
   closed) leaves the queue as if it had never been made: elements it had taken go back

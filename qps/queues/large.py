@@ -1,4 +1,4 @@
-"""Large elements and large batches out of line (DESIGN.md §4.5).
+"""Large elements and large batches out of line (docs/queues.md, "Large elements").
 
 An element larger than CHUNK_BYTES is written as chunk keys ``<prefix>b:<bid>:<k>`` with
 plain commands, and the queue holds a small reference ``QR|<bid>|<nchunks>|<bytes>``. The
@@ -26,7 +26,7 @@ import numpy as np
 from qps import buffers, wire
 from qps.transport import Client, map_errors, write_all
 
-#: Elements larger than this travel out of line, as chunks of this size (DESIGN.md §4.5:
+#: Elements larger than this travel out of line, as chunks of this size (measured:
 #: about 2x faster than one large value through redis-py and hiredis).
 CHUNK_BYTES = 1 << 20
 #: Chunks written by a producer expire unless their element gets into the queue.
