@@ -233,9 +233,10 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     preset = EXAMPLES[settings.pop("example")]
     given = {k: v for k, v in flags.items() if v is not None}
     merged = {**preset, **settings, **given}
-    if not isinstance(merged.get("url") or "", str):
-        raise CliError(f"url must be a string, got {merged['url']!r}", EXIT_USAGE)
-    check_url(merged.get("url"))  # --url was checked as it was parsed; a --config url here
+    if "url" not in given:  # --url was checked as it was parsed; a --config url is here
+        if not isinstance(merged.get("url") or "", str):
+            raise CliError(f"url must be a string, got {merged['url']!r}", EXIT_USAGE)
+        check_url(merged.get("url"))
     mode = merged.pop("mode", "async")
     staleness = merged.pop("max_staleness", None)
     backups = merged.pop("backup_workers", None)
