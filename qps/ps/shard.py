@@ -50,13 +50,11 @@ deliveries back. See ``docs/ps.md``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -81,6 +79,17 @@ from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
 from qps.ps.gradlist import POP_FRONT_LUA, GradientList, credit_commands, is_list_delivery
+from qps.ps.groups import (
+    _Accum,
+    _deliveries,
+    _each_once,
+    _Group,
+    _Inbox,
+    _Item,
+    _joined,
+    _nbytes,
+    _Pending,
+)
 from qps.ps.messages import (
     GradientMessage,
     SparseGradient,
@@ -295,212 +304,6 @@ class _Owned:
     slots: dict[str, npt.NDArray[Any]]
     version: int
     t: int
-
-
-@dataclass
-class _Item:
-    """A delivery taken ahead of the apply, decoded (``msg``) or not (``error``)."""
-
-    delivery: Delivery | None  # None: a message applied without one (tests)
-    msg: GradientMessage | None = None
-    error: str = ""
-    nbytes: int = 0
-    oversize: bool = False  # over the job's max_message_bytes (error says so)
-    shared: bool = False  # its delivery holds other messages too (settled with them)
-    raw: Any = None  # the message as delivered (a dead letter keeps its bytes)
-    about: GradientMessage | None = None  # an oversize message's provenance, if it decodes
-
-
-class _Inbox:
-    """Deliveries read ahead of the apply, in order, bounded by count and bytes; the
-    reader and the applier wake each other: every change resolves the futures of all
-    those waiting (:meth:`until`), each registered before its waiter sleeps, so a
-    wake-up is never lost. (One shared event that each waiter cleared before waiting
-    lost them: the reader's put set it and its own next wait cleared it again before
-    the applier's wait had started, which then slept until its timeout.)"""
-
-    def __init__(self, max_items: int, max_bytes: int) -> None:
-        self.items: deque[_Item] = deque()
-        self.nbytes = 0
-        self.done = False  # the queue is closed and drained (and the list, if read)
-        self.sources = 1  # readers that have not finished
-        #: the loop is ending: the reader stops taking (a take under way when it was
-        #: cancelled may still complete: its messages are put here, then given back)
-        self.closing = False
-        self.error: BaseException | None = None
-        self._max_items, self._max_bytes = max_items, max_bytes
-        self._waiting: list[asyncio.Future[None]] = []
-
-    def full(self) -> bool:
-        return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
-
-    def room(self, each: int) -> int:
-        """How many more items of about ``each`` bytes fit (at least one unless full)."""
-        by_bytes = (self._max_bytes - self.nbytes) // max(each, 1)
-        return max(0, min(self._max_items - len(self.items), max(by_bytes, 1)))
-
-    def put(self, item: _Item) -> None:
-        self.items.append(item)
-        self.nbytes += item.nbytes
-        self._changed()
-
-    def drain(self) -> list[_Item]:
-        """Every item, oldest first, taken out."""
-        out = []
-        while self.items:
-            out.append(self.take())
-        return out
-
-    def take(self) -> _Item:
-        item = self.items.popleft()
-        self.nbytes -= item.nbytes
-        self._changed()
-        return item
-
-    def finish(self) -> None:
-        """One reader is done (its source is closed and drained); the inbox is done
-        once every reader is."""
-        self.sources -= 1
-        if self.sources <= 0:
-            self.done = True
-        self._changed()
-
-    def fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self._changed()
-
-    def wake(self) -> None:
-        self._changed()
-
-    def _changed(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for fut in waiting:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def until(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
-        """Return once ``ready()`` (checked at every change) or after ``timeout`` s."""
-        loop = asyncio.get_running_loop()
-        end = None if timeout is None else loop.time() + timeout
-        while not ready():
-            left = None if end is None else end - loop.time()
-            if left is not None and left <= 0:
-                return
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiting.append(fut)
-            timer = None if left is None else loop.call_later(left, _resolve, fut)
-            try:
-                await fut
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                if not fut.done():
-                    fut.cancel()
-                if timer is not None or fut.cancelled():  # else _changed took it out
-                    with contextlib.suppress(ValueError):
-                        self._waiting.remove(fut)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-@dataclass
-class _Pending:
-    """What one variable must commit for a group: the ids of the messages applied to
-    its in-memory copy, in order, and the rows they touched (sparse) or that it is dense."""
-
-    ids: list[str] = field(default_factory=list)
-    rows: list[npt.NDArray[Any]] = field(default_factory=list)
-    dense: bool = False
-
-
-@dataclass
-class _Group:
-    """Messages applied together and committed once per variable."""
-
-    deliveries: list[Delivery] = field(default_factory=list)
-    messages: int = 0  # taken into the group (a delivery may hold several)
-    nbytes: int = 0  # bytes of the deliveries
-    ids: set[str] = field(default_factory=set)
-    vars: dict[str, _Pending] = field(default_factory=dict)
-    touched: set[str] = field(default_factory=set)  # applied, not committed yet
-    gs_ids: list[str] = field(default_factory=list)  # advance the global step for these
-    fresh: int = 0
-    skipped: int = 0
-    rows: int = 0
-    bytes: int = 0
-    stale: list[tuple[str, int]] = field(default_factory=list)
-    redo: bool = False
-    # valid messages: (id, its variables, advances the global step), the ids to release
-    applied: list[tuple[str, list[str], bool]] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)  # qps_ps_apply_seconds
-
-    def full(self, max_items: int, max_bytes: int) -> bool:
-        return self.messages >= max_items or self.nbytes >= max_bytes
-
-
-@dataclass
-class _Accum:
-    """Synchronous training: the fresh gradients taken for the shard's next update
-    (TF's ConditionalAccumulators, one per variable), held unacknowledged until the
-    update commits."""
-
-    items: list[_Item] = field(default_factory=list)
-    dense: dict[str, npt.NDArray[Any]] = field(default_factory=dict)  # running sums
-    count: dict[str, int] = field(default_factory=dict)  # gradients per variable
-    sparse: dict[str, list[SparseGradient]] = field(default_factory=dict)
-
-    def add(self, msg: GradientMessage) -> None:
-        for name, grad in msg.grads.items():
-            self.count[name] = self.count.get(name, 0) + 1
-            if isinstance(grad, SparseGradient):
-                self.sparse.setdefault(name, []).append(grad)
-            elif name in self.dense:
-                self.dense[name] += grad
-            else:
-                self.dense[name] = np.array(grad, copy=True)
-
-    def mean(self, name: str) -> Any:
-        """The aggregated gradient of ``name``: dense, the mean over the gradients taken;
-        sparse, each row averaged over the gradients that hold it (TF's
-        SparseConditionalAccumulator)."""
-        if name in self.dense:
-            return self.dense[name] / self.count[name]
-        parts = self.sparse[name]
-        idx = np.concatenate([p.indices for p in parts])
-        vals = np.concatenate([p.values for p in parts])
-        rows, inverse = np.unique(idx, return_inverse=True)
-        sums = np.zeros((len(rows), *vals.shape[1:]), dtype=vals.dtype)
-        np.add.at(sums, inverse, vals)
-        hits = np.bincount(inverse, minlength=len(rows)).astype(vals.dtype)
-        return SparseGradient(rows, sums / hits.reshape(-1, *([1] * (vals.ndim - 1))))
-
-
-def _deliveries(items: Sequence[_Item]) -> list[Delivery]:
-    """The deliveries of ``items``, each once, in order."""
-    return _each_once([it.delivery for it in items if it.delivery is not None])
-
-
-def _each_once(ds: Sequence[Delivery]) -> list[Delivery]:
-    """``ds`` with each delivery once (by identity), in order."""
-    out: list[Delivery] = []
-    for d in ds:
-        if not any(d is x for x in out):
-            out.append(d)
-    return out
-
-
-def _joined(ds: list[Delivery]) -> Delivery:
-    """Several deliveries as one (one ack, nack or touch call for all, in order)."""
-    if len(ds) == 1:
-        return ds[0]
-    return Delivery(None, tuple(t for d in ds for t in d.tokens), all(d.plain for d in ds))
-
-
-def _nbytes(value: Any) -> int:
-    return int(getattr(value, "nbytes", 0) or len(value))
 
 
 class _Log(logging.LoggerAdapter):  # type: ignore[type-arg]
