@@ -94,7 +94,7 @@ def slope(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def _script_names() -> dict[str, str]:
     """SHA1 -> name of the Lua scripts qps runs (queues, variables, PS shard)."""
-    from qps import transport, variables
+    from qps import transport, varscripts
     from qps.ps import shard
 
     names = {}
@@ -104,7 +104,7 @@ def _script_names() -> dict[str, str]:
             continue
         names[transport._Script(stem).sha] = f"queue {stem}"
     for attr in ("_CREATE", "_PUBLISH", "_PUBLISH_ROWS", "_FENCE", "_INIT_SLOTS", "_READ"):
-        body = variables._PRELUDE + getattr(variables, attr)
+        body = varscripts._PRELUDE + getattr(varscripts, attr)
         names[hashlib.sha1(body.encode()).hexdigest()] = f"variable {attr[1:].lower()}"
     for attr in ("_LEASE", "_COUNT_STEPS", "_TOKENS_IF_COMMITTED"):
         names[hashlib.sha1(getattr(shard, attr).encode()).hexdigest()] = f"shard {attr[1:].lower()}"

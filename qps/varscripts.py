@@ -1,0 +1,356 @@
+"""The Lua scripts of :mod:`qps.variables` (create, publish, publish rows, fence, init
+slots, read, read rows) and their registration on a client. Each script is the common
+prelude followed by its body.
+
+KEYS[1] is the meta hash (or KEYS[2] the staged rows). The data keys are derived from
+the meta key's prefix P: they share its hash tag, hence its slot (as the queue scripts'
+keys do), so the scripts run unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from qps import varspec
+from qps.transport import Client
+
+_PRELUDE = """
+local P = string.sub(KEYS[1], 1, -5)
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+end
+local function seg_key(gen, i) return P .. 'd:' .. gen .. ':' .. i end
+local function each_seg(gen, nseg, cmd, arg)
+  for i = 0, nseg - 1 do
+    if arg then redis.call(cmd, seg_key(gen, i), arg) else redis.call(cmd, seg_key(gen, i)) end
+  end
+end
+-- whether key k is there with length n (STRLEN is 0 for a missing key)
+local function has_length(k, n)
+  if n > 0 then return redis.call('STRLEN', k) == n end
+  return redis.call('EXISTS', k) == 1
+end
+-- whether every segment of generation gen is there with its full length
+local function complete(gen, nseg, segb, nbytes)
+  for i = 0, nseg - 1 do
+    if not has_length(seg_key(gen, i), math.min(segb, nbytes - i * segb)) then
+      return false
+    end
+  end
+  return true
+end
+local function split(csv)
+  local out = {}
+  if csv then for x in string.gmatch(csv, '[^,]+') do out[#out + 1] = x end end
+  return out
+end
+local function slot_key(gen, slot, i) return P .. 'o:' .. gen .. ':' .. slot .. ':' .. i end
+local function each_slot_seg(gen, names, nseg, cmd, arg)
+  for _, s in ipairs(names) do
+    for i = 0, nseg - 1 do
+      local k = slot_key(gen, s, i)
+      if arg then redis.call(cmd, k, arg) else redis.call(cmd, k) end
+    end
+  end
+end
+local function slots_complete(gen, names, nseg, segb, nbytes)
+  for _, s in ipairs(names) do
+    for i = 0, nseg - 1 do
+      if not has_length(slot_key(gen, s, i), math.min(segb, nbytes - i * segb)) then
+        return false
+      end
+    end
+  end
+  return true
+end
+-- the message ids of a commit: ARGV[first] and ARGV[more..] (a group commit names
+-- several); '' names none
+local function commit_ids(first, more)
+  local ids = {}
+  if ARGV[first] and ARGV[first] ~= '' then ids[1] = ARGV[first] end
+  for i = more, #ARGV do ids[#ids + 1] = ARGV[i] end
+  return ids
+end
+-- ids per command of a script (unpack puts each argument on Lua's C stack)
+local IDS_PER_CALL = 500
+-- an error if a message id was applied already or the slots differ from the stored ones
+-- (``have``: the meta's 'slots')
+local function check_commit(names_csv, ids, have)
+  for at = 1, #ids, IDS_PER_CALL do
+    local part = {unpack(ids, at, math.min(#ids, at + IDS_PER_CALL - 1))}
+    local seen = redis.call('ZMSCORE', P .. 'applied', unpack(part))
+    for i = 1, #part do
+      if seen[i] then return {'dup', part[i]} end
+    end
+  end
+  if names_csv and names_csv ~= have then return {'slots', have} end
+  return nil
+end
+-- remember that the message ids were applied (at ``now``, read here if not given);
+-- forget ids older than keep ms
+local function record_applied(ids, keep, now)
+  if #ids == 0 then return end
+  now = tonumber(now or now_ms())
+  for at = 1, #ids, IDS_PER_CALL do
+    local args = {}
+    for i = at, math.min(#ids, at + IDS_PER_CALL - 1) do
+      args[#args + 1] = now
+      args[#args + 1] = ids[i]
+    end
+    redis.call('ZADD', P .. 'applied', unpack(args))
+  end
+  redis.call('ZREMRANGEBYSCORE', P .. 'applied', '-inf',
+    '(' .. string.format('%.0f', now - tonumber(keep)))
+end
+-- a small variable (one segment of at most CUR_MAX bytes) keeps a copy of its value at
+-- version ver in P cur (and ver in the meta's 'curver', or in ``fields``, the caller's
+-- own write of the meta), which readers get with a plain GET inside MULTI: no bytes
+-- through Lua
+local CUR_MAX = CUR_MAX_BYTES
+local function keep_current(gen, nseg, nbytes, ver, fields)
+  if tonumber(nseg) == 1 and tonumber(nbytes) <= CUR_MAX then
+    redis.call('COPY', seg_key(gen, 0), P .. 'cur', 'REPLACE')
+    if fields then  -- the caller's meta write takes 'curver'
+      fields[#fields + 1] = 'curver'
+      fields[#fields + 1] = ver
+    else
+      redis.call('HSET', KEYS[1], 'curver', ver)
+    end
+  end
+end
+-- nil if no checkpoint holds the variable, else the refusal 'held' with the ms the
+-- hold has left (a snapshot on Redis Cluster holds every variable while it pins them
+-- all: qps.checkpoint); a hold past its time is no hold. ``h``: the meta's 'hold' if
+-- the caller read it (false: none), else it is read here
+local function held(h)
+  if h == nil then h = redis.call('HGET', KEYS[1], 'hold') end
+  if not h then return nil end
+  local left = tonumber(h) - tonumber(now_ms())
+  if left <= 0 then return nil end
+  return {'held', string.format('%.0f', left)}
+end
+-- nil (and the meta fields) if a write with this token and version may proceed; the
+-- fields named after ``version`` are read too (m[8] on)
+local function check(token, version, ...)
+  local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg',
+    'segb', ...)
+  if not m[1] then return {'gone'}, m end
+  if tonumber(token) < tonumber(m[1]) then return {'stale', m[1]}, m end
+  if version and tonumber(version) <= tonumber(m[2]) then return {'version', m[2]}, m end
+  return nil, m
+end
+""".replace("CUR_MAX_BYTES", str(varspec.CHUNK_BYTES))
+
+# ARGV: spec, gen, nbytes, nseg, segb.
+_CREATE = """
+local gen, nseg = ARGV[2], tonumber(ARGV[4])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  each_seg(gen, nseg, 'DEL')
+  return {'exists', redis.call('HGET', KEYS[1], 'spec')}
+end
+if not complete(gen, nseg, tonumber(ARGV[5]), tonumber(ARGV[3])) then
+  each_seg(gen, nseg, 'DEL')
+  return {'missing'}
+end
+each_seg(gen, nseg, 'PERSIST')
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'gen', gen, 'ver', '0', 'token', '0',
+  'prev', '', 'pver', '', 'nbytes', ARGV[3], 'nseg', ARGV[4], 'segb', ARGV[5],
+  'ctime', now, 'mtime', now, 'publishes', '0', 'row_publishes', '0')
+keep_current(gen, nseg, ARGV[3], '0')
+return {'ok'}
+"""
+
+# ARGV: token, version, gen, nseg, prev TTL (ms), nbytes[, slots, id, t, keep, id...].
+# With the optional ones (a PS shard's commit): the slots "name,..." were written under
+# the same generation and become current with the value, ``t`` is stored, and the
+# message ids (``id`` and any after ``keep``: a group commit) are recorded as applied
+# (refused as 'dup' if one already is; ids older than ``keep`` ms are forgotten).
+_PUBLISH = """
+local gen, nseg = ARGV[3], tonumber(ARGV[4])
+local names = split(ARGV[7])
+local ids = commit_ids(8, 11)
+-- the commit's other fields read with the check: m[8] hold, m[9] slots, m[10] sgen,
+-- m[11] publishes
+local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen', 'publishes')
+if not err then err = held(m[8]) end
+if not err then err = check_commit(ARGV[7], ids, m[9] or '') end
+if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
+if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
+if not err and not (complete(gen, nseg, tonumber(m[7]), tonumber(m[5])) and
+    slots_complete(gen, names, nseg, tonumber(m[7]), tonumber(m[5]))) then
+  err = {'missing', m[5]}
+end
+if err then
+  each_seg(gen, nseg, 'DEL')
+  each_slot_seg(gen, names, nseg, 'DEL')
+  return err
+end
+each_seg(gen, nseg, 'PERSIST')
+if m[4] and m[4] ~= '' then each_seg(m[4], nseg, 'DEL') end
+each_seg(m[3], nseg, 'PEXPIRE', ARGV[5])
+local now = now_ms()
+-- one write of the meta: the new generation, the count, keep_current()'s version and
+-- the commit's slot generation and t
+local fields = {'gen', gen, 'ver', ARGV[2], 'prev', m[3], 'pver', m[2], 'token', ARGV[1],
+  'mtime', now, 'publishes', string.format('%.0f', (tonumber(m[11]) or 0) + 1)}
+keep_current(gen, nseg, m[5], ARGV[2], fields)
+if ARGV[7] then
+  each_slot_seg(gen, names, nseg, 'PERSIST')
+  local sg = m[10]
+  if sg and sg ~= '' and sg ~= gen then each_slot_seg(sg, names, nseg, 'DEL') end
+  for _, f in ipairs({'sgen', gen, 't', ARGV[9]}) do fields[#fields + 1] = f end
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+if ARGV[7] then record_applied(ids, ARGV[10], now) end
+return {'ok'}
+"""
+
+# KEYS: meta, stage. ARGV: token, version, staged bytes, variable bytes, runs
+# "segment offset length,..." (byte offsets in the segment; the staged bytes are the
+# runs' bytes in order)[, slots, id, t, keep, id...]. Offsets travel as text and reach
+# SETRANGE as they are. With the optional ones (a PS shard's commit), the staged bytes
+# are the value's runs followed by each slot's runs, in the order of "slots", written
+# into the current slot generation; ``t`` and the ids as for _PUBLISH.
+_PUBLISH_ROWS = """
+local names = split(ARGV[6])
+local ids = commit_ids(7, 10)
+local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen')  -- m[8], m[9], m[10]
+if not err then err = held(m[8]) end
+if not err then err = check_commit(ARGV[6], ids, m[9] or '') end
+if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
+if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
+if err then
+  redis.call('DEL', KEYS[2])
+  return err
+end
+local buf = redis.call('GET', KEYS[2])
+redis.call('DEL', KEYS[2])
+if not buf or #buf ~= tonumber(ARGV[3]) then return {'missing', ARGV[3]} end
+local nseg, segb, nbytes = tonumber(m[6]), tonumber(m[7]), tonumber(m[5])
+local sgen = m[10] or ''
+if not complete(m[3], nseg, segb, nbytes) or
+   (#names > 0 and (sgen == '' or not slots_complete(sgen, names, nseg, segb, nbytes))) then
+  return {'corrupt', m[3]}
+end
+local block = #buf / (#names + 1)
+-- the runs, parsed once for the value and every slot
+local segs, los, lens, nruns = {}, {}, {}, 0
+for seg, lo, n in string.gmatch(ARGV[5], '(%d+) (%d+) (%d+)') do
+  nruns = nruns + 1
+  segs[nruns], los[nruns], lens[nruns] = seg, lo, tonumber(n)
+end
+local call, sub = redis.call, string.sub
+for b = 0, #names do
+  local pos = 1 + b * block
+  local names_of = {}
+  for j = 1, nruns do
+    local seg, n = segs[j], lens[j]
+    local k = names_of[seg]
+    if not k then
+      k = b == 0 and seg_key(m[3], seg) or slot_key(sgen, names[b], seg)
+      names_of[seg] = k
+    end
+    call('SETRANGE', k, los[j], sub(buf, pos, pos + n - 1))
+    pos = pos + n
+  end
+end
+redis.call('HSET', KEYS[1], 'ver', ARGV[2], 'token', ARGV[1], 'mtime', now_ms())
+redis.call('HINCRBY', KEYS[1], 'row_publishes', 1)
+keep_current(m[3], nseg, nbytes, ARGV[2])
+if ARGV[6] then
+  redis.call('HSET', KEYS[1], 't', ARGV[8])
+  record_applied(ids, ARGV[9])
+end
+return {'ok'}
+"""
+
+# ARGV: token, slot gen, slots "name,...", nbytes, nseg. Makes the slots written under
+# the slot generation current (replacing any stored ones) without changing the value or
+# its version; keeps ``t`` (0 if none).
+_INIT_SLOTS = """
+local gen, nseg = ARGV[2], tonumber(ARGV[5])
+local names = split(ARGV[3])
+local err, m = check(ARGV[1], nil)
+if not err then err = held() end
+if not err and (m[5] ~= ARGV[4] or m[6] ~= ARGV[5]) then err = {'changed', m[5]} end
+if not err and not slots_complete(gen, names, nseg, tonumber(m[7]), tonumber(m[5])) then
+  err = {'missing', m[5]}
+end
+if err then
+  each_slot_seg(gen, names, nseg, 'DEL')
+  return err
+end
+each_slot_seg(gen, names, nseg, 'PERSIST')
+local old = redis.call('HMGET', KEYS[1], 'sgen', 'slots')
+if old[1] and old[1] ~= '' and old[1] ~= gen then
+  each_slot_seg(old[1], split(old[2]), nseg, 'DEL')
+end
+redis.call('HSET', KEYS[1], 'sgen', gen, 'slots', ARGV[3], 'token', ARGV[1])
+redis.call('HSETNX', KEYS[1], 't', '0')
+return {'ok'}
+"""
+
+# ARGV: token.
+_FENCE = """
+local err, m = check(ARGV[1], nil)
+if err then return err end
+redis.call('HSET', KEYS[1], 'token', ARGV[1])
+return {'ok', m[2]}
+"""
+
+# A value of at most one segment. Reply: ok, version, gen, bytes.
+_READ = """
+local m = redis.call('HMGET', KEYS[1], 'gen', 'ver', 'nseg')
+if not m[1] then return {'gone'} end
+if m[3] == '0' then return {'ok', m[2], m[1], ''} end
+return {'ok', m[2], m[1], redis.call('GET', seg_key(m[1], 0))}
+"""
+
+# ARGV: ranges "segment first last,..." (byte offsets in the segment, passed to
+# GETRANGE as the text they are: no number formatting in Lua).
+# Reply: ok, version, gen, one string per range.
+_READ_ROWS = """
+local m = redis.call('HMGET', KEYS[1], 'gen', 'ver')
+if not m[1] then return {'gone'} end
+local out = {'ok', m[2], m[1]}
+local n = 3
+local call = redis.call
+local names = {}
+for seg, lo, hi in string.gmatch(ARGV[1], '(%d+) (%d+) (%d+)') do
+  local k = names[seg]
+  if not k then
+    k = seg_key(m[1], seg)
+    names[seg] = k
+  end
+  n = n + 1
+  out[n] = call('GETRANGE', k, lo, hi)
+end
+return out
+"""
+
+
+class _Scripts:
+    """The variable scripts registered on one client (redis-py ``Script`` objects: run
+    by SHA, loaded again after NOSCRIPT)."""
+
+    def __init__(self, client: Client) -> None:
+        reg = client.commands.register_script
+        self.create = reg(_PRELUDE + _CREATE)
+        self.publish = reg(_PRELUDE + _PUBLISH)
+        self.publish_rows = reg(_PRELUDE + _PUBLISH_ROWS)
+        self.fence = reg(_PRELUDE + _FENCE)
+        self.init_slots = reg(_PRELUDE + _INIT_SLOTS)
+        self.read = reg(_PRELUDE + _READ)
+        self.read_rows = reg(_PRELUDE + _READ_ROWS)
+
+
+_scripts: weakref.WeakKeyDictionary[Client, _Scripts] = weakref.WeakKeyDictionary()
+
+
+def _scripts_of(client: Client) -> _Scripts:
+    s = _scripts.get(client)
+    if s is None:
+        s = _scripts[client] = _Scripts(client)
+    return s
