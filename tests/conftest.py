@@ -404,15 +404,23 @@ async def until(pred: Callable[[], Awaitable[bool]], timeout: float = 10.0, what
         await asyncio.sleep(0.01)
 
 
-async def within(aw: Awaitable[T], timeout: float, what: str) -> T:
+async def within(
+    aw: Awaitable[T], timeout: float, what: str, beside: asyncio.Future[Any] | None = None
+) -> T:
     """Await ``aw`` for at most ``timeout`` seconds; past that, cancel it (as
-    :func:`cancel_all` does) and fail with a message naming ``what`` did not happen."""
+    :func:`cancel_all` does) and fail with a message naming ``what`` did not happen.
+    With ``beside`` (a task ``aw`` depends on, e.g. a shard), fail at once, with that
+    task's outcome, if it ends first."""
     task = asyncio.ensure_future(aw)
-    done, _ = await asyncio.wait({task}, timeout=timeout)
-    if not done:
-        await cancel_all([task])
-        raise AssertionError(f"not done in {timeout:g} s: {what}")
-    return task.result()
+    watched = {task} if beside is None else {task, beside}
+    await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    await cancel_all([task])
+    if beside is not None and beside.done():
+        ended = beside.exception() or f"returned {beside.result()!r}"
+        raise AssertionError(f"ended before {what}: {ended!r}")
+    raise AssertionError(f"not done in {timeout:g} s: {what}")
 
 
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]], tries: int = 20) -> None:

@@ -15,7 +15,7 @@ from qps import backend, containers, packing
 from qps.errors import InvalidArgumentError
 from qps.optimizers import SGD
 from qps.ps import control
-from tests.conftest import cancel_all
+from tests.conftest import within
 from tests.test_ps_shard import C, Job
 from workers.models import Packed
 from workers.worker import Worker, WorkerConfig
@@ -58,21 +58,6 @@ def test_numpy_is_chosen_and_a_small_model_computes_inline(
     assert w.xp is np and not w.inline  # a large model computes on a thread
 
 
-async def _beside(shard: asyncio.Task[str], aw: Any, timeout: float, what: str) -> Any:
-    """Await ``aw`` while the shard task runs: fail at once, with the shard's outcome, if
-    the shard ends first (its lease lost, an error), and after ``timeout`` seconds
-    naming ``what`` did not happen, instead of waiting for tokens that cannot come."""
-    work = asyncio.ensure_future(aw)
-    await asyncio.wait({work, shard}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if work.done():
-        return work.result()
-    await cancel_all([work])
-    if shard.done():
-        ended = shard.exception() or f"returned {shard.result()!r}"
-        raise AssertionError(f"the shard ended before {what}: {ended!r}")
-    raise AssertionError(f"not done in {timeout:g} s: {what}")
-
-
 async def _train(make_client: Any, backend_name: str, steps: int) -> dict[str, np.ndarray]:
     """One synchronous worker, one shard, in a fresh container: every step applies
     exactly this worker's gradient of the step before's parameters, so the run is
@@ -86,7 +71,7 @@ async def _train(make_client: Any, backend_name: str, steps: int) -> dict[str, n
         sess = await j.session("worker0")
         w = Worker(_cfg(steps=steps, backend=backend_name), sess)
         await w.prepare()
-        res = await _beside(shard, w.train(), 120, f"the worker trains {steps} steps")
+        res = await within(w.train(), 120, f"the worker trains {steps} steps", shard)
         assert res.steps == steps
         got = await sess.pull([p.name for p in w.model.params_spec()])
         return {n: np.array(v.value) for n, v in got.items()}
@@ -216,7 +201,7 @@ async def test_sync_training_is_single_process_training_of_the_averaged_batches(
             return w
 
         both = asyncio.gather(run(0), run(1))
-        w0, _ = await _beside(shard, both, 120, f"two workers train {steps} steps")
+        w0, _ = await within(both, 120, f"two workers train {steps} steps", shard)
         got = await j.sessions[0].pull([p.name for p in w0.model.params_spec()])
         job_params = {n: np.array(v.value) for n, v in got.items()}
     finally:
