@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from qps import initializers, keys
+from qps import initializers, keys, packing
 from qps._version import __version__
 from qps.containers import Counter, reset, scan_container_keys
 from qps.errors import (
@@ -539,6 +539,11 @@ async def save(
                 entry["parts"][p.index] = n
             if progress is not None:
                 progress(len(variables), len(snap.names))
+        # a packed model's layout (the names of the parameters its parts hold): only
+        # when every part it names is saved
+        layout = await packing.read_layout(client, cont)
+        if layout is not None and not {part for part, _ in layout.parts} <= set(variables):
+            layout = None
         manifest: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -554,6 +559,7 @@ async def save(
             "counters": snap.counters,
             "variables": variables,
             "partitioned": partitioned,
+            "packed": None if layout is None else json.loads(layout.to_json()),
             "files": {},
         }
         _write_dir(target, files, manifest)
@@ -785,6 +791,12 @@ async def restore(
     """
     ck = load(directory)
     m = ck.manifest
+    packed = None
+    if m.get("packed") is not None:  # checkpoints from before qps 0.x have none
+        try:
+            packed = packing.PackLayout.from_json(json.dumps(m["packed"]))
+        except InvalidArgumentError as exc:
+            raise DataLossError(f"checkpoint {ck.info.path}: its packed layout: {exc}") from None
     client, cont = _client_and_container(session_or_client, container)
     cont = keys.check_container(cont or m["container"])
     if not await container_is_empty(client, cont):
@@ -819,6 +831,8 @@ async def restore(
             pipe.hset(keys.ps_placement(cont), mapping=dict(m["placement"]))
         if m["config"]:
             pipe.hset(keys.ps_config(cont), mapping=dict(m["config"]))
+        if packed is not None:
+            pipe.set(keys.packed_layout(cont), packed.to_json())
         await pipe.execute()
     return ck.info
 

@@ -6,12 +6,14 @@ On a machine without CUDA only the NumPy side and the errors run; the GPU tests
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from qps import backend, containers, packing
+import qps
+from qps import backend, checkpoint, containers, packing
 from qps.errors import InvalidArgumentError
 from qps.optimizers import SGD
 from qps.ps import control
@@ -249,6 +251,58 @@ async def test_the_chief_packs_a_small_model_and_the_others_follow(make_client: 
         wrong = Worker(_cfg(index=2, num_workers=3, model="mlp:64,8,10"), sess)
         with pytest.raises(InvalidArgumentError, match="the job's model is 'packed:2:mlp:64,16"):
             await wrong.prepare()
+    finally:
+        await j.close()
+
+
+async def test_a_packed_model_checkpointed_restores_with_its_names_and_resumes(
+    make_client: Any, tmp_path: Path
+) -> None:
+    """docs/quickstart.md: a checkpoint of a packed model keeps the layout, so `qps var
+    get b2` reads the restored copy; a chief not told --num-shards resumes the stored
+    two parts (it used to pack into one and die on the shapes, leaving a wrong layout)."""
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C, C + "-r"])
+    try:
+        chief = Worker(_cfg(num_workers=1, num_shards=2), await j.session("worker0"))
+        await chief.prepare()
+        saved = await checkpoint.save(client, tmp_path / "ck", container=C)
+        assert saved.variables == 2
+        assert checkpoint.load(tmp_path / "ck").manifest["packed"]["parts"] == [
+            ["packed/0", chief.model.layout().parts[0][1]],
+            ["packed/1", chief.model.layout().parts[1][1]],
+        ]
+        await checkpoint.restore(client, tmp_path / "ck", container=C + "-r")
+        assert await packing.read_layout(client, C + "-r") == chief.model.layout()
+        b2 = await packing.read_view(client, C + "-r", "b2")
+        original = await packing.read_view(client, C, "b2")
+        assert b2 is not None and original is not None and np.array_equal(b2[0], original[0])
+
+        sess = qps.Session(client=await make_client(), container=C + "-r", worker="worker0")
+        await sess.open()
+        j.sessions.append(sess)
+        resumed = Worker(_cfg(container=C + "-r", num_shards=None), sess)  # not told
+        await resumed.prepare()
+        assert resumed.model.spec == "packed:2:mlp:64,16,10"
+        assert await packing.read_layout(client, C + "-r") == chief.model.layout()
+    finally:
+        await j.close()
+
+
+async def test_a_chief_that_cannot_make_the_model_records_no_layout(make_client: Any) -> None:
+    """A chief that fails to create the packed parts leaves no layout behind (`qps var
+    get b2` would then read parts that are not the model's)."""
+    j = Job(make_client)
+    client = await make_client()
+    await containers.reset(client, [C])
+    try:
+        sess = await j.session("worker0")
+        await sess.variable("packed/1", (3,), np.float32, np.zeros(3, np.float32)).create()
+        chief = Worker(_cfg(num_shards=2), sess)
+        with pytest.raises(InvalidArgumentError, match="'packed/1' has shape"):
+            await chief.prepare()
+        assert await packing.read_layout(client, C) is None
     finally:
         await j.close()
 

@@ -385,6 +385,8 @@ class Worker:
         the trained values); then record the PS job's shard count if given."""
         cfg, client = self.cfg, self.sess.client
         how = ""
+        if cfg.pack and cfg.num_shards is None and (parts := await self._stored_parts()):
+            self._use(auto_packed(self.base, parts))
         existing = set(await self.sess.list_variables())
         wanted = _names(self.model)
         path = latest_checkpoint(cfg.checkpoint_dir)
@@ -399,8 +401,11 @@ class Worker:
                     cfg.name, cfg.container, path,
                 )  # fmt: skip
         # the container (or the checkpoint) may hold the model stored the other way,
-        # packed or not: go on with what it holds
+        # packed or not, or packed in as many parts as its PS job has shards (a chief
+        # not told --num-shards): go on with what it holds
         others = [self.base, auto_packed(self.base, cfg.num_shards or 1)]
+        if cfg.num_shards is None and (parts := await self._stored_parts()):
+            others.insert(0, auto_packed(self.base, parts))  # {packed/0} <= 2 parts' names
         held = next((m for m in others if _names(m) <= existing), None)
         if not wanted <= existing and held is not None:
             log.info("%s: the stored variables are %s's: training that", cfg.name, held.spec)
@@ -411,8 +416,6 @@ class Worker:
                 f"checkpoint {path} does not hold the variables of {self.model.spec!r} "
                 f"(missing: {', '.join(sorted(wanted - existing))})"
             )
-        if isinstance(self.model, Packed):  # `qps var get W1` reads it from the parts
-            await packing.record_layout(client, cfg.container, self.model.layout())
         if not how:
             variables = self.model.variables(  # type: ignore[attr-defined]
                 np.random.default_rng(0), container=cfg.container, client=client
@@ -421,9 +424,22 @@ class Worker:
                 await var.create()
             fresh = [n for n in variables if n not in existing]
             how = f"initialised {len(fresh)} variable(s)" if fresh else "kept the stored variables"
+        if isinstance(self.model, Packed):  # `qps var get W1` reads it from the parts,
+            # recorded once they exist (a chief that fails to create them leaves none)
+            await packing.record_layout(client, cfg.container, self.model.layout())
         if cfg.num_shards is not None:
             await control.configure(client, cfg.container, cfg.num_shards)
         return how
+
+    async def _stored_parts(self) -> int | None:
+        """How many parts the container's packed model has (its recorded layout), else
+        its PS job's shard count; None where it records neither."""
+        client, container = self.sess.client, self.cfg.container
+        stored = await packing.read_layout(client, container)
+        if stored is not None:
+            return len(stored.parts)
+        ps_cfg = await control.read_config(client, container)
+        return None if ps_cfg is None else ps_cfg.num_shards
 
     # -- one step ------------------------------------------------------------------------
     async def _pull(self, batch: tuple[np.ndarray, ...]) -> tuple[dict[str, Any], dict[str, int]]:
