@@ -250,6 +250,11 @@ def ps_config(container: str) -> str:
     return container_prefix(container) + "ps:config"
 
 
+def ps_config_wake(container: str) -> str:
+    """The list a shard started without an optimizer blocks on until one is recorded."""
+    return container_prefix(container) + "ps:config:wake"
+
+
 def ps_placement(container: str) -> str:
     """The hash variable name -> PS shard index that every role reads."""
     return container_prefix(container) + "ps:placement"

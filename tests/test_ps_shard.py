@@ -26,7 +26,7 @@ from qps.ps.messages import GradientMessage, SparseGradient, encode_message
 from qps.ps.shard import LeaseLostError, Shard, ShardOptions
 from qps.queues import base as queue_base
 from qps.variables import StaleTokenError
-from tests.conftest import ClientFactory, cancel_all, until
+from tests.conftest import ClientFactory, cancel_all, pending, until, until_blocked, within
 
 C = "job"
 
@@ -590,6 +590,34 @@ async def test_config_must_agree(job: Job) -> None:
     _, task = await job.shard(0, 3)
     with pytest.raises(InvalidArgumentError, match="has 2 shard"):
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_shard_without_an_optimizer_waits_for_the_one_that_has_it(job: Job) -> None:
+    """Two shards started together, only one given the optimizer (docs/ps.md): the
+    other waits for it, blocked in Redis, instead of failing; a stop ends the wait."""
+    sess = await job.session()
+    # a shard waiting for an optimizer that never comes stops on request
+    alone = Shard(await job.make_client(), ShardOptions(0, 1, container=C + "-alone"))
+    task = asyncio.create_task(alone.run())
+    job.tasks.append(task)
+    await until_blocked(sess.client, task=task, what="a shard waits for the optimizer")
+    alone.request_stop()
+    assert await within(task, 10, "a stop ends the wait for the optimizer") == "stopped"
+
+    for name in ("a", "b"):
+        await sess.variable(name, (4,), np.float32, np.zeros(4, np.float32)).create()
+    second, waiting = await job.shard(1, 2)
+    await until_blocked(sess.client, task=waiting, what="shard 1 waits for the optimizer")
+    assert pending(waiting)
+    await job.shard(0, 2, SGD(learning_rate=1.0))
+    await sess.push({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}, step=0)
+
+    async def both_applied() -> bool:
+        pulled = await sess.pull(["a", "b"])
+        return all(np.array_equal(v, np.full(4, -1, np.float32)) for v, _ in pulled.values())
+
+    await until(both_applied, 30, "both shards apply the push")
+    assert second.optimizer == SGD(learning_rate=1.0) and pending(waiting)
 
 
 async def test_slots_of_another_optimizer_need_reset_slots(job: Job) -> None:

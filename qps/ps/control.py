@@ -8,6 +8,7 @@ Nothing here runs a shard (:mod:`qps.ps.shard`) or sends gradients
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +172,9 @@ async def configure(
             )
         pipe.hsetnx(key, "max_message_bytes", m)
         pipe.sadd(keys.CONTAINERS, container)
+        if optimizer is not None:  # wake the shards waiting for one (wait_for_optimizer)
+            pipe.rpush(keys.ps_config_wake(container), 1)
+            pipe.ltrim(keys.ps_config_wake(container), -1, -1)
         await pipe.execute()
     cfg = await read_config(client, container)
     assert cfg is not None
@@ -203,6 +207,35 @@ async def configure(
             "to change it)"
         )
     return cfg
+
+
+#: the longest a shard waiting for the job's optimizer blocks before it looks again
+OPTIMIZER_WAKE_SECONDS = 1.0
+
+
+async def wait_for_optimizer(
+    client: Client, container: str, stop: asyncio.Event
+) -> PSConfig | None:
+    """Block until the PS job of ``container`` has an optimizer (another shard started
+    with one, or :func:`configure` was called with one) and return its config; None if
+    ``stop`` is set first. Blocks in ``BLPOP`` on the list :func:`configure` pushes to
+    (for at most :data:`OPTIMIZER_WAKE_SECONDS` at a time, so a lost wake-up costs that)."""
+    wake = keys.ps_config_wake(container)
+    while not stop.is_set():
+        cfg = await read_config(client, container)
+        if cfg is not None and cfg.optimizer is not None:
+            return cfg
+        pop = asyncio.ensure_future(client.blocking.blpop([wake], OPTIMIZER_WAKE_SECONDS))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({pop, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not pop.done():
+            pop.cancel()
+        await asyncio.gather(pop, stopped, return_exceptions=True)
+        if not pop.cancelled():
+            with map_errors():
+                pop.result()  # an error of the connection: raised, translated
+    return None
 
 
 def _describe(opt: Optimizer | None) -> str:

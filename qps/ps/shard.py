@@ -328,8 +328,11 @@ class Shard:
     Raises (from :meth:`run`):
         LeaseLostError: the lease was lost or the variables fenced by a newer owner.
         InvalidArgumentError: a config or optimizer that disagrees with the stored job.
-        FailedPreconditionError: no optimizer given or stored; stored slots of another
-            optimizer (without ``reset_slots``).
+        FailedPreconditionError: stored slots of another optimizer (without
+            ``reset_slots``).
+
+    A shard given no optimizer, of a job that has none stored yet, waits until one is
+    (another shard starts with one, or :func:`qps.ps.configure` records one).
     """
 
     def __init__(
@@ -431,11 +434,17 @@ class Shard:
             self.optimizer,
             max_message_bytes=self.options.max_message_bytes,
         )
-        if cfg.optimizer is None:
-            raise FailedPreconditionError(
-                f"no optimizer for the PS job of container '{self.container}': pass one "
-                "(qps ps --optimizer ...)"
+        if cfg.optimizer is None:  # another shard, or qps.ps.configure, records it
+            self.log.info(
+                "waiting for the PS job's optimizer: start a shard of container '%s' with "
+                "--optimizer (or call qps.ps.configure)",
+                self.container,
             )
+            got = await control.wait_for_optimizer(self.client, self.container, self._stop)
+            if got is None:
+                return "stopped"
+            cfg = got
+        assert cfg.optimizer is not None  # given, stored, or waited for
         self.optimizer = cfg.optimizer
         self.sync = cfg.sync
         self._max_message = cfg.max_message_bytes
