@@ -22,9 +22,9 @@ async def test_wait_ready_blocks_until_the_chief_marks_it(make_client):
     await until_blocked(other, task=waiter, what="wait_ready blocked in BLPOP")
     assert pending(waiter)  # it found no mark and waits for one
     await job.mark_ready(chief, C, 2, {"model": "mlp:4,3"})
-    assert await asyncio.wait_for(waiter, 10) == {"model": "mlp:4,3"}
+    assert await asyncio.wait_for(waiter, 10) == {"model": "mlp:4,3", "num_workers": 2}
     # a worker that starts after the mark does not wait at all
-    assert await job.wait_ready(other, C, 0, timeout=0.01) == {"model": "mlp:4,3"}
+    assert await job.wait_ready(other, C, 0, timeout=0.01) == {"model": "mlp:4,3", "num_workers": 2}
 
 
 async def test_wait_ready_times_out(client):

@@ -18,10 +18,12 @@ import pytest
 from click.testing import CliRunner, Result
 
 import qps
+from qps import keys
 from qps.cli.main import cli
 from qps.errors import DeadlineExceededError, NotFoundError
+from qps.optimizers import make_optimizer
 from qps.ps import control
-from tests.conftest import pending, until_blocked
+from tests.conftest import pending, until_blocked, within
 from tests.test_top import build_job
 from workers import job, monitor
 
@@ -53,6 +55,49 @@ async def test_wait_workers_done_blocks_until_the_last_one_finishes(make_client)
     assert pending(waiter)  # worker0 is not done: it waits
     await job.finish_worker(worker, C, "worker0")  # recorded done: wakes the waiter
     assert await asyncio.wait_for(waiter, 10) == ["worker0", "worker1"]
+
+
+async def _shard_up(client: qps.Client, container: str, shard: int, state: str) -> None:
+    """Shard ``shard`` as a running (or finished) shard leaves its stats and lease."""
+    prefix = keys.ps_prefix(container, shard)
+    now_ms = int(time.time() * 1000)
+    await client.commands.hset(prefix + "stats", mapping={"state": state, "heartbeat_ms": now_ms})
+    await client.commands.set(prefix + "lease", "1 host:1:abc")
+
+
+async def test_wait_for_running_needs_every_shard_and_worker_up(make_client):
+    c = _container()
+    waiter_client, role = await make_client(), await make_client()
+    waiter = asyncio.create_task(monitor.wait_for(waiter_client, c, "running", timeout=60))
+    await until_blocked(waiter_client, task=waiter, what="a wait for a job not started yet")
+    with pytest.raises(DeadlineExceededError, match=r"to serving .*\(the container holds no job"):
+        await monitor.wait_for(role, c, "serving", timeout=0.1)
+    await control.configure(role, c, 2, make_optimizer("sgd", learning_rate=0.1))
+    await job.mark_ready(role, c, 2, {"model": "mlp:4,3"})
+    await _shard_up(role, c, 0, "running")
+    with pytest.raises(DeadlineExceededError, match=r"to serving .*\(shard 1 never started\)"):
+        await monitor.wait_for(role, c, "serving", timeout=0.1)
+    await job.publish_status(role, c, "worker0", {"state": "training", "step": 1})
+    # shard 1 never started and worker1 never published: not running yet
+    with pytest.raises(DeadlineExceededError, match=r"did not come to running .*\(shard 1 never started, 1 of 2 worker"):
+        await monitor.wait_for(role, c, "running", timeout=0.2)
+    await job.publish_status(role, c, "worker1", {"state": "training", "step": 1})
+    with pytest.raises(DeadlineExceededError, match=r"\(shard 1 never started, 2 of 2 work"):
+        await monitor.wait_for(role, c, "running", timeout=0.2)  # shard 1 still down
+    assert pending(waiter)
+    await _shard_up(role, c, 1, "running")
+    snap = await within(waiter, 30, "the wait ends once every role is up")
+    assert snap.state == "running" and len(snap.workers) == 2
+    assert (await monitor.wait_for(role, c, "serving", timeout=0)).num_shards == 2
+    # finished: the PS job marked finished and no shard running any more
+    await control.mark_finished(role, c)
+    with pytest.raises(DeadlineExceededError, match=r"to finished .*\(shard 0 running, shard 1"):
+        await monitor.wait_for(role, c, "finished", timeout=0.2)
+    await _shard_up(role, c, 0, "finished")
+    await _shard_up(role, c, 1, "finished")
+    assert (await monitor.wait_for(role, c, "finished", timeout=30)).finished
+    # a finished job has been running: a wait for running ends at once
+    assert (await monitor.wait_for(role, c, "running", timeout=0)).state == "finished"
 
 
 def test_worker_names_in_index_order() -> None:
@@ -122,6 +167,19 @@ def test_status_text_and_json(redis_url: str, built: str) -> None:
 def test_status_not_found(redis_url: str) -> None:
     r = invoke("job", "status", "--url", redis_url, "--container", _container())
     assert r.exit_code == 3 and "no training job in container" in r.output
+
+
+def test_wait_command_prints_the_state_or_times_out(redis_url: str, built: str) -> None:
+    where = ["--url", redis_url, "--container", built]
+    r = invoke("job", "wait", "--for", "done", "--timeout", "0.1", *where)
+    assert r.exit_code == 4, r.output
+    assert "did not come to done within 0.1 s (worker0 training)" in r.output
+    _run(redis_url, lambda cl: job.finish_worker(cl, built, "worker0"))
+    r = invoke("job", "wait", "--for", "done", "--timeout", "30", *where)
+    assert r.exit_code == 0, r.output
+    assert r.output == (
+        f"container {built}: job done, global step 7, 2 worker(s), 2 PS shard(s)\n"
+    )
 
 
 def test_stop_asks_unless_yes(redis_url: str, built: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,7 +98,7 @@ async def test_snapshot_reads_config_workers_shards_and_queues(client):
     assert snap.num_shards == 2 and snap.optimizer == {"name": "sgd", "learning_rate": 0.1}
     assert snap.global_step == 7 and not snap.finished and snap.stop_requested is None
     assert snap.state == "running" and snap.test_accuracy == 0.75
-    assert snap.ready == {"model": "mlp:4,3"}
+    assert snap.ready == {"model": "mlp:4,3", "num_workers": 2}
 
     w0, w1 = snap.workers  # the eval record is not a worker
     assert (w0.name, w0.state, w0.step, w0.examples, w0.loss) == (

@@ -36,6 +36,7 @@ __all__ = [
     "ssp_wait",
     "stop_requested",
     "wait_ready",
+    "wait_status_change",
     "wait_workers_done",
     "worker_names",
 ]
@@ -71,9 +72,10 @@ async def mark_ready(
     (JSON: e.g. the model spec and where the values came from) and wake the other
     workers (one token each on their wake lists)."""
     ready = _key(container, "ready")
+    record = {"num_workers": num_workers, **info}
     with map_errors():
         pipe = client.commands.pipeline(transaction=True)
-        pipe.set(ready, json.dumps(dict(info), sort_keys=True))
+        pipe.set(ready, json.dumps(record, sort_keys=True))
         for k in range(num_workers):
             wake = _key(container, f"ready:wake:{k}")
             pipe.rpush(wake, 1)
@@ -145,7 +147,17 @@ async def publish_status(
     """Publish ``worker``'s status (JSON; ``time`` is added) for ``qps job status``/``top``."""
     record = {**status, "time": time.time()}
     with map_errors():
-        await client.commands.hset(_key(container, "workers"), worker, json.dumps(record))
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hset(_key(container, "workers"), worker, json.dumps(record))
+        pipe.rpush(_key(container, "status:wake"), 1)  # a `qps job wait` re-reads the job
+        pipe.ltrim(_key(container, "status:wake"), -1, -1)
+        await pipe.execute()
+
+
+async def wait_status_change(client: Client, container: str, deadline: float | None) -> bool:
+    """Block until a worker publishes a status (or WAKE_SECONDS pass: the caller checks
+    what it waits for again either way); False, without waiting, past ``deadline``."""
+    return await _block(client, _key(container, "status:wake"), deadline)
 
 
 async def read_statuses(client: Client, container: str) -> dict[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qps import keys
-from qps.errors import NotFoundError
+from qps.errors import DeadlineExceededError, NotFoundError
 from qps.ps import control
 from qps.queues.inspect import QueueStats, list_queues, queue_stats
 from qps.transport import Client
@@ -164,6 +164,82 @@ class JobSnapshot:
         d["state"] = self.state
         d["dead_letters"] = self.dead_letters
         return d
+
+
+#: what ``qps job wait --for`` waits for
+WAIT_STATES = ("serving", "running", "done", "finished")
+
+
+def reached(snap: JobSnapshot, state: str) -> bool:
+    """Whether the job of ``snap`` has come to ``state`` (:data:`WAIT_STATES`) or past it:
+
+    * ``serving``: the PS job is configured and every one of its shards holds its lease
+      and runs (workers may push), or the job is past that;
+    * ``running``: every PS shard holds its lease and runs, and every worker has
+      published a status (as many as the chief's ready mark says; at least one), or
+      the job is past running (done, stopping, finished);
+    * ``done``: every worker is done;
+    * ``finished``: the PS job is marked finished and no shard runs any more.
+    """
+    workers_done = bool(snap.workers) and all(w.done for w in snap.workers)
+    shards_running = all(s.state == "running" for s in snap.shards)
+    past = snap.finished or snap.stop_requested is not None or workers_done
+    if state == "serving":
+        return past or (snap.num_shards is not None and shards_running)
+    if state == "running":
+        if past:
+            return True
+        wanted = _int((snap.ready or {}).get("num_workers"), 1)
+        return shards_running and len(snap.workers) >= max(1, wanted)
+    if state == "done":
+        return workers_done
+    if state == "finished":
+        return snap.finished and not any(s.state == "running" for s in snap.shards)
+    raise ValueError(f"state must be one of {', '.join(WAIT_STATES)}, not {state!r}")
+
+
+async def wait_for(
+    client: Client, container: str, state: str, timeout: float | None = None
+) -> JobSnapshot:
+    """Block until the job of ``container`` has come to ``state`` (see :func:`reached`);
+    return the snapshot that showed it. Waits in ``BLPOP`` on the list a worker's status
+    publication pushes to (a shard's change is seen within
+    :data:`workers.job.WAKE_SECONDS`).
+
+    Raises:
+        NotFoundError: the container holds no job (it may not have started yet: such a
+            container is waited for too, until ``timeout``).
+        DeadlineExceededError: ``timeout`` seconds passed first.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            snap: JobSnapshot | None = await snapshot(client, container)
+        except NotFoundError:
+            snap = None
+        if snap is not None and reached(snap, state):
+            return snap
+        if not await job.wait_status_change(client, container, deadline):
+            now = "the container holds no job" if snap is None else _short_of(snap, state)
+            raise DeadlineExceededError(
+                f"the job in container '{container}' did not come to {state} within "
+                f"{timeout} s ({now})"
+            )
+
+
+def _short_of(snap: JobSnapshot, state: str) -> str:
+    """What keeps the job of ``snap`` from ``state``, in words."""
+    shards = [f"shard {s.shard} {s.state}" for s in snap.shards if s.state != "running"]
+    if state == "serving":
+        return ", ".join(shards) if snap.num_shards is not None else "no PS job configured"
+    if state == "running":
+        wanted = max(1, _int((snap.ready or {}).get("num_workers"), 1))
+        return ", ".join([*shards, f"{len(snap.workers)} of {wanted} worker(s) reported"])
+    if state == "done":
+        busy = [f"{w.name} {w.state}" for w in snap.workers if not w.done]
+        return ", ".join(busy) or "no worker reported"
+    running = [f"shard {s.shard} running" for s in snap.shards if s.state == "running"]
+    return ", ".join(([] if snap.finished else ["not marked finished"]) + running)
 
 
 async def job_exists(client: Client, container: str) -> bool:

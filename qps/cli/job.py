@@ -35,7 +35,7 @@ from qps.errors import NotFoundError
 from qps.ps import control
 from qps.transport import Client
 from workers import job as job_marks
-from workers.monitor import JobSnapshot, snapshot
+from workers.monitor import WAIT_STATES, JobSnapshot, snapshot, wait_for
 
 __all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_opt", "fmt_rate", "job"]
 
@@ -84,8 +84,8 @@ def job() -> None:
     """Look at a whole training job (PS shards, workers, queues) or stop it.
 
     \b
-    Subcommands: status, stop (see `qps job COMMAND --help`); `qps top` shows the
-    status live.
+    Subcommands: status, wait, stop (see `qps job COMMAND --help`); `qps top` shows
+    the status live.
     """
 
 
@@ -109,6 +109,44 @@ def status_command(url: str | None, container: str, json: bool) -> None:
         return
     for line in status_lines(snap):
         click.echo(line)
+
+
+async def _wait(url: str | None, container: str, state: str, timeout: float | None) -> JobSnapshot:
+    async with connected(url) as client:
+        return await wait_for(client, container, state, timeout)
+
+
+@job.command(name="wait")
+@url_option()
+@container_option
+@click.option(
+    "--for",
+    "state",
+    type=click.Choice(WAIT_STATES),
+    default="running",
+    show_default=True,
+    help="serving: the PS job is configured and every shard runs (workers may push); "
+    "running: that, and every worker has published its status; done: every worker is "
+    "done; finished: the PS job is finished and no shard runs.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Give up after this long (exit code 4). Default: wait as long as it takes.",
+)
+def wait_command(url: str | None, container: str, state: str, timeout: float | None) -> None:
+    """Wait until the job in the container comes to a state (or past it: a job that
+    finished has been running), then print one line: its state and global step. A
+    container with no job yet is waited for too. For scripts: start the roles, `qps
+    job wait`, then look at the job.
+    """
+    snap = run_async(_wait(url, container, state, timeout))
+    click.echo(
+        f"container {container}: job {snap.state}, global step {snap.global_step:,}, "
+        f"{len(snap.workers)} worker(s), {len(snap.shards)} PS shard(s)"
+    )
 
 
 def status_lines(snap: JobSnapshot) -> list[str]:
