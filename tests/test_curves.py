@@ -210,6 +210,24 @@ def test_plain_end_line_when_the_last_mark_was_not_reached() -> None:
     assert lines == []
 
 
+def test_plain_lines_wait_until_the_work_has_run_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("qps.cli.progress.time.monotonic", lambda: clock[0])
+    lines: list[str] = []
+    with Progress("restore", live=False, write=lines.append, quiet_for=2.0) as p:
+        p.update(1, 2)
+        p.update(2, 2)
+    assert lines == []  # done within 2 s: only the command's result is printed
+    with Progress("restore", live=False, write=lines.append, quiet_for=2.0) as p:
+        p.update(1, 4)  # 25%, within 2 s: no line
+        clock[0] += 2.5
+        p.update(2, 4)
+        p.update(3, 4)
+    assert lines == ["restore: 2/4 (50%)", "restore: 3/4 (75%)"]
+
+
 def test_terminal_bar_with_lines_above_it() -> None:
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120)
@@ -244,8 +262,11 @@ async def test_checkpoint_progress_callbacks(client: qps.Client, tmp_path: Path)
     assert restored == [(1, 3), (2, 3), (3, 3)]
 
 
-def test_checkpoint_cli_plain_progress_lines(redis_url: str, tmp_path: Path) -> None:
+def test_checkpoint_cli_plain_progress_lines(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     c = f"ckp-{secrets.token_hex(4)}"
+    monkeypatch.setattr("qps.cli.checkpoint.QUIET_SECONDS", 0.0)  # lines from the start
 
     async def make() -> None:
         async with qps.Session(redis_url, container=c) as s:

@@ -74,15 +74,20 @@ def checkpoint() -> None:
 # -- save --------------------------------------------------------------------------------------
 
 
+#: a save or restore done sooner prints no progress line, only its result
+QUIET_SECONDS = 2.0
+
+
 def _progress(description: str, json: bool) -> Progress:
-    """Variables done of all: a bar on a terminal, else a line every 25% (none with
-    --json, whose output is the result alone)."""
+    """Variables done of all: a bar on a terminal, else a line every 25% once it has
+    run 2 s (none with --json, whose output is the result alone)."""
     return Progress(
         description,
         unit="variables",
         live=False if json else None,
         write=(lambda _: None) if json else to_stderr,
         plain_step=25.0,
+        quiet_for=QUIET_SECONDS,
     )
 
 

@@ -47,6 +47,8 @@ class Progress:
         write: prints one plain line (default: to stderr).
         plain_step: a plain line each time this many percent more are done.
         plain_seconds: with no total, at least this long between plain lines.
+        quiet_for: no plain line until the work has run this long (seconds): work
+            done sooner prints only its result.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class Progress:
         write: Callable[[str], None] = to_stderr,
         plain_step: float = 10.0,
         plain_seconds: float = 10.0,
+        quiet_for: float = 0.0,
     ) -> None:
         self.description = description
         self.total = total
@@ -69,6 +72,7 @@ class Progress:
         self.write = write
         self.plain_step = plain_step
         self.plain_seconds = plain_seconds
+        self.quiet_until = time.monotonic() + quiet_for if quiet_for > 0 else 0.0
         self.completed = 0.0
         self.info = ""
         self._bar: _Bar | None = None
@@ -104,6 +108,7 @@ class Progress:
             and exc[0] is None
             and self.completed
             and self._printed_at != self.completed
+            and (not self.quiet_until or self._printed_at is not None)
         ):
             self._plain()  # where it ended
 
@@ -119,6 +124,10 @@ class Progress:
         if self._bar is not None:
             assert self._task is not None
             self._bar.update(self._task, completed=completed, total=self.total, info=info)
+            return
+        if self.quiet_until and time.monotonic() < self.quiet_until:
+            if self.total:
+                self._mark = int(100 * completed / self.total // self.plain_step)
             return
         if self.total:
             mark = int(100 * completed / self.total // self.plain_step)
