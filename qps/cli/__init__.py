@@ -317,6 +317,8 @@ def url_option(help: str = URL_HELP) -> Callable[[F], F]:
         f = click.option(
             "--cluster",
             is_flag=True,
+            envvar=transport.CLUSTER_ENV,
+            show_envvar=True,
             expose_value=False,
             callback=_ask_cluster,
             help="The URL names a Redis Cluster node: use the cluster (as ?cluster=yes "

@@ -11,9 +11,10 @@ Run from the repository root::
     python -m qps.cli._docgen            # rewrite docs/cli-reference.md
     python -m qps.cli._docgen --check    # exit 1 if it is out of date
 
-The environment variable of an option is its explicit ``envvar`` or, for the others,
-the name click derives from ``auto_envvar_prefix="QPS"`` (what :func:`qps.cli.main.run`
-passes): ``QPS_<COMMAND>_<OPTION>``, e.g. ``QPS_QUEUE_PEEK_N``.
+The environment variable of an option is its ``envvar``: the global one it names
+(``QPS_REDIS_URL``...) or the one :func:`qps.cli.main.name_envvars` gives every other
+option as the command tree is built, ``QPS_<COMMAND>_<OPTION>`` after the command path
+and the long option name, e.g. ``QPS_TRAIN_WORKERS``, ``QPS_QUEUE_PEEK_N``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ import click
 #: Where the reference lives, relative to the repository root.
 DEFAULT_PATH = Path("docs") / "cli-reference.md"
 
-#: The prefix :func:`qps.cli.main.run` gives click for environment variables.
-ENV_PREFIX = "QPS"
-
 # click >= 8.3 marks "no default" with a sentinel instead of None.
 _UNSET: Any = getattr(click.core, "UNSET", None)
 
@@ -48,8 +46,11 @@ command line's own definitions. The guide to the command line, with examples, is
 [cli.md](cli.md); the exit codes are listed under [`qps`](#qps).
 
 Every option can also be set through its environment variable (shown with each
-option): the explicit ones such as `QPS_REDIS_URL` and `QPS_CONTAINER`, and
-`QPS_<COMMAND>_<OPTION>` for the others. A command-line option wins over its variable.
+option, and in its `--help`): `QPS_<COMMAND>_<OPTION>`, the command path and the long
+option name in upper case with `-` as `_` (`QPS_TRAIN_WORKERS` for `qps train
+--workers`, `QPS_PS_DLQ_LS_SHARD` for `qps ps dlq ls --shard`), except the global ones
+such as `QPS_REDIS_URL`, `QPS_CONTAINER` and `QPS_LOG_LEVEL`. A command-line option wins
+over its variable.
 """
 
 
@@ -57,8 +58,7 @@ def walk(
     command: click.Command, ctx: click.Context
 ) -> Iterator[tuple[click.Command, click.Context]]:
     """Yield ``command`` and then every command below it (depth first, in name order),
-    each with a context whose ``command_path`` and ``auto_envvar_prefix`` are those of a
-    real invocation."""
+    each with a context whose ``command_path`` is that of a real invocation."""
     yield command, ctx
     if isinstance(command, click.Group):
         for name in command.list_commands(ctx):
@@ -73,8 +73,7 @@ def walk(
 def root_context(command: click.Command, name: str = "qps") -> click.Context:
     """The context of the top-level command, as :func:`qps.cli.main.run` creates it (with
     the command's ``context_settings``: ``-h`` as well as ``--help``, for one)."""
-    settings = {"auto_envvar_prefix": ENV_PREFIX, **command.context_settings}
-    return click.Context(command, info_name=name, **settings)
+    return click.Context(command, info_name=name, **command.context_settings)
 
 
 def command_paths(command: click.Command, name: str = "qps") -> list[str]:
@@ -120,20 +119,12 @@ def _render_help(text: str) -> list[str]:
     return out
 
 
-def _envvar(param: click.Parameter, ctx: click.Context) -> str:
-    """The environment variable(s) click reads for ``param`` in ``ctx``."""
-    if param.envvar:
-        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
-        return ", ".join(names)
-    if (
-        isinstance(param, click.Option)
-        and param.allow_from_autoenv
-        and param.expose_value  # --help and --version are actions, not settings
-        and ctx.auto_envvar_prefix
-        and param.name
-    ):
-        return f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
-    return ""
+def _envvar(param: click.Parameter) -> str:
+    """The environment variable(s) click reads for ``param``."""
+    if not param.envvar:
+        return ""
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+    return ", ".join(names)
 
 
 def _default(param: click.Option, ctx: click.Context) -> str:
@@ -176,7 +167,7 @@ def _render_option(param: click.Option, ctx: click.Context) -> str:
     record = param.get_help_record(ctx)
     names = record[0] if record is not None else ", ".join(param.opts)
     facts = []
-    env = _envvar(param, ctx)
+    env = _envvar(param)
     if env:
         facts.append(f"env `{env}`")
     default = _default(param, ctx)
@@ -201,7 +192,7 @@ def _render_argument(param: click.Argument, ctx: click.Context) -> str:
         facts.append("any number")
     elif param.nargs > 1:
         facts.append(f"{param.nargs} values")
-    env = _envvar(param, ctx)
+    env = _envvar(param)
     if env:
         facts.append(f"env `{env}`")
     return f"- `{metavar}` ({'; '.join(facts)})"

@@ -78,9 +78,13 @@ def cli(log_level: str, log_json: bool) -> None:
     and `qps plot` to draw the training curves of `qps train --logdir`.
 
     Every command takes --url (env QPS_REDIS_URL); without one it uses the local
-    embedded server. Options can also be set through environment variables
-    (QPS_LOG_LEVEL, QPS_REDIS_URL, QPS_CONTAINER, or QPS_<COMMAND>_<OPTION> for the
-    others, e.g. QPS_DEMO_ELEMENTS).
+    embedded server. Every option can also be set through an environment variable,
+    shown in each command's --help: QPS_<COMMAND>_<OPTION>, the command path and the
+    long option name in upper case with - as _ (e.g. QPS_TRAIN_WORKERS for
+    `qps train --workers`, QPS_PS_DLQ_LS_SHARD for `qps ps dlq ls --shard`), except
+    the global ones: QPS_LOG_LEVEL, QPS_LOG_JSON, QPS_REDIS_URL, QPS_CLUSTER,
+    QPS_CONTAINER, QPS_METRICS_PORT, QPS_METRICS_ADDR, QPS_BACKEND and QPS_RUN_DIR.
+    An option on the command line wins over its variable.
 
     \b
     Exit codes:
@@ -109,6 +113,37 @@ cli.add_command(server)
 cli.add_command(plot)
 
 
+def envvar_names(path: Sequence[str], option: click.Option) -> list[str]:
+    """The variables of ``option`` of the command at ``path`` (``["ps", "dlq", "ls"]``):
+    ``QPS_<PATH>_<LONG NAME>`` for each long name (``--lr/--learning-rate`` has two),
+    upper case, ``-`` as ``_``; the parameter's name for one with short names only."""
+    names = [o[2:] for o in option.opts if o.startswith("--")] or [str(option.name)]
+    return ["_".join(["QPS", *path, n]).upper().replace("-", "_") for n in names]
+
+
+def name_envvars(command: click.Command, path: Sequence[str] = ()) -> None:
+    """Give every option of ``command`` and the commands below it its environment
+    variable (:func:`envvar_names`; an option that names its own, a global one such as
+    QPS_REDIS_URL, keeps it) and show it in ``--help``. One rule for every command,
+    instead of click's ``auto_envvar_prefix``, which names a variable after the
+    parameter (QPS_TRAIN_NUM_WORKERS for ``--workers``) and shows none."""
+    for param in command.params:
+        if not isinstance(param, click.Option):
+            continue
+        if param.is_flag and param.is_eager and not param.expose_value:
+            continue  # --version, like --help, is an action rather than a setting
+        if not param.envvar:
+            names = envvar_names(path, param)
+            param.envvar = names[0] if len(names) == 1 else names
+        param.show_envvar = True
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            name_envvars(sub, (*path, name))
+
+
+name_envvars(cli)
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the ``qps`` command line on ``argv`` (default ``sys.argv[1:]``); return the
     exit code instead of exiting."""
@@ -116,7 +151,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         rv = cli.main(
             args=list(argv) if argv is not None else None,
             prog_name="qps",
-            auto_envvar_prefix="QPS",
             standalone_mode=False,
         )
     except click.exceptions.Abort as exc:
