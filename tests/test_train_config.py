@@ -1,5 +1,9 @@
-"""`qps train`'s settings: where they come from.
+"""`qps train`'s settings: where they come from and what is refused before a job starts.
 
+* A ``--config`` file's values go through their options' types, ranges and choices, as
+  the flags' would (``mode = "fast"`` trained asynchronously, ``steps = -3`` failed in
+  every worker, ``workers = "three"`` was an unexpected TypeError); the error names the
+  file and the key. Precedence: command line > environment > file > example > default.
 * Every option's environment variable is QPS_<COMMAND>_<LONG OPTION> (QPS_TRAIN_WORKERS,
   not click's QPS_TRAIN_NUM_WORKERS), shown in every --help.
 
@@ -46,6 +50,114 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[TrainConfig]]:
 
     monkeypatch.setattr(launcher, "run_job", fake_run_job)
     yield seen
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``qps ARGV``; assert a usage error of one ``qps: error:`` line, nothing on
+    stdout; return the message."""
+    code = run(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qps: error: "), err
+    return lines[0][len("qps: error: ") :]
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# -- --config values are checked as their options' --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('mode = "fast"', "mode='fast' is not one of async, ssp, sync"),
+        ("steps = -3", "steps=-3: -3 is not in the range x>=1"),
+        ('workers = "three"', "workers='three': 'three' is not a valid integer"),
+        ("steps = 2.5", "steps=2.5: '2.5' is not a valid integer"),  # as --steps 2.5
+        ('[train]\nmax-staleness = -1\nmode = "ssp"', "max-staleness=-1: -1 is not in the range"),
+        ('pack = "maybe"', "pack='maybe': 'maybe' is not a valid boolean"),
+        ("ps = true", "ps=True: 'True' is not a valid integer"),
+        ('grad_dtype = "int8"', "grad_dtype='int8' is not one of float16"),
+        ('example = "mnist"', "example='mnist' is not one of ctr, digits"),
+    ],
+)
+def test_a_bad_config_value_is_refused_naming_the_file_and_key(
+    text: str, message: str, tmp_path: Path, jobs: list[TrainConfig], capsys: Any
+) -> None:
+    path = _config(tmp_path, text)
+    got = _refused(["train", "--config", path], capsys)
+    assert got.startswith(f"{path}: {message}"), got
+    assert jobs == []
+
+
+def test_config_keys_spellings_table_and_alias(tmp_path: Path, jobs: list[TrainConfig]) -> None:
+    """Keys as the long option names, - or _, optionally under [train]; lr is
+    learning-rate; each value arrives converted as its flag's would."""
+    path = _config(
+        tmp_path,
+        '[train]\nps = 1\nworkers = 2\nmax-staleness = 1\nmode = "ssp"\nbatch_size = 16\n'
+        'lr = 0.25\npack = false\nmetrics-port = 0\ngrad-dtype = "float16"\n',
+    )
+    assert run(["train", "--config", path]) == 0
+    (cfg,) = jobs
+    assert (cfg.num_shards, cfg.num_workers, cfg.max_staleness) == (1, 2, 1)
+    assert (cfg.batch_size, cfg.learning_rate, cfg.pack) == (16, 0.25, False)
+    assert cfg.metrics_port == 0 and cfg.grad_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nope = 1", "unknown key 'nope' (known: "),
+        ("quiet = true", "unknown key 'quiet'"),  # what a run prints is no job setting
+        ("lr = 0.1\nlearning-rate = 0.2", "'lr' and 'learning-rate' set the same option"),
+        ("model = [1, 2]", "model must be a string, a number or a boolean"),
+        ("train = 3", "[train] must be a table"),
+    ],
+)
+def test_config_files_that_name_no_options_are_refused(
+    text: str, message: str, tmp_path: Path, jobs: list[TrainConfig], capsys: Any
+) -> None:
+    path = _config(tmp_path, text)
+    assert _refused(["train", "--config", path], capsys).startswith(f"{path}: {message}")
+    assert jobs == []
+
+
+def test_config_keys_are_the_options_of_before() -> None:
+    """Every job option's long name, no more (the set the file took before)."""
+    from qps.cli.train import config_keys
+
+    assert set(config_keys(cli.commands["train"])) == {
+        "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model",
+        "data", "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url",
+        "container", "max_group", "max_message_mib", "metrics_port", "metrics_addr",
+        "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
+        "grad_dtype", "pack",
+    }  # fmt: skip
+
+
+def test_precedence_command_line_env_file_example_default(
+    tmp_path: Path, jobs: list[TrainConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _config(
+        tmp_path, 'example = "ctr"\nps = 4\nworkers = 5\nsteps = 7\nlr = 0.3\nseed = 9\n'
+    )
+    monkeypatch.setenv("QPS_TRAIN_WORKERS", "2")  # beats the file
+    monkeypatch.setenv("QPS_TRAIN_PS", "3")  # loses to the command line
+    assert run(["train", "--config", path, "--ps", "1", "--seed", "4"]) == 0
+    (cfg,) = jobs
+    assert cfg.num_shards == 1 and cfg.seed == 4  # command line
+    assert cfg.num_workers == 2  # environment
+    assert cfg.steps == 7 and cfg.learning_rate == 0.3  # file, over the example's
+    assert cfg.optimizer == "adagrad" and cfg.batch_size == 128  # the file's example
+    assert cfg.max_group == 8 and cfg.restarts == 3  # defaults
+    assert cfg.data == "ctr" and cfg.model.startswith("embbag:")
 
 
 # -- environment variables: one rule, shown in every --help ------------------------------
@@ -109,3 +221,14 @@ def test_the_rule_is_in_qps_help_and_the_reference() -> None:
     assert "QPS_TRAIN_NUM_WORKERS" not in reference
     docs = (Path(REPO) / "docs" / "cli.md").read_text(encoding="utf-8")
     assert "QPS_TRAIN_WORKERS" in docs and "auto_envvar_prefix" not in docs
+
+
+# -- --url ------------------------------------------------------------------------------
+
+
+def test_a_bad_url_is_a_usage_error(tmp_path: Path, jobs: list[TrainConfig], capsys: Any) -> None:
+    shown = "invalid Redis URL http://localhost:6379: Redis URL must specify one of"
+    assert _refused(["train", "--url", "http://localhost:6379"], capsys).startswith(shown)
+    path = _config(tmp_path, 'url = "http://localhost:6379"\n')
+    assert _refused(["train", "--config", path], capsys).startswith(shown)
+    assert jobs == []

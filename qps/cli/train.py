@@ -9,9 +9,10 @@ import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from qps import backend
-from qps.cli import EXIT_USAGE, CliError, check_url, json_option, run_async, url_option
+from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
 from qps.cli.progress import Progress
 from qps.ps.messages import GRAD_DTYPES
 
@@ -37,17 +38,14 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
 }
 
-#: options a --config TOML file may set (its keys, with '-' or '_')
-CONFIG_KEYS = {
-    "example", "ps", "workers", "mode", "max_staleness", "backup_workers", "model", "data",
-    "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url", "container",
-    "max_group", "max_message_mib", "metrics_port", "metrics_addr",
-    "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
-    "grad_dtype", "pack",
-}  # fmt: skip
+#: train's parameters a --config file cannot set (what a run prints, and the file itself)
+NOT_IN_CONFIG = frozenset({"config_path", "quiet", "json", "cluster"})
+
+#: where the --config callback leaves (path, {parameter name: (key, value)}) for errors
+_CONFIG_META = "qps.train.config"
 
 
-def _load_config(path: str) -> dict[str, Any]:
+def _read_toml(path: str) -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # a dependency on Python 3.10
@@ -60,19 +58,80 @@ def _load_config(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise CliError(f"{path} is not valid TOML: {exc}", EXIT_USAGE) from exc
     table = raw.get("train", raw)
-    out: dict[str, Any] = {}
-    for key, value in table.items():
-        name = key.replace("-", "_")
-        if name not in CONFIG_KEYS:
+    if not isinstance(table, dict):
+        raise CliError(f"{path}: [train] must be a table", EXIT_USAGE)
+    return table
+
+
+def config_keys(command: click.Command) -> dict[str, str]:
+    """The keys a --config file may hold (``_`` spelling) -> the parameter each sets:
+    every long option name of ``command`` (``ps``, ``workers``, ``lr`` and
+    ``learning_rate``...) but those of :data:`NOT_IN_CONFIG`."""
+    keys: dict[str, str] = {}
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name and param.name not in NOT_IN_CONFIG:
+            for opt in param.opts:
+                if opt.startswith("--"):
+                    keys[opt[2:].replace("-", "_")] = param.name
+    return keys
+
+
+def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -> None:
+    """``--config``, eager: the file's values become the command's ``default_map``, so
+    each goes through its option's type, range and choices as a flag's value would (as
+    text: ``steps = 2.5`` is refused like ``--steps 2.5``), below the command line and
+    the environment and above the example's preset."""
+    if not path:
+        return
+    known = config_keys(ctx.command)
+    defaults: dict[str, str] = {}
+    where: dict[str, tuple[str, Any]] = {}
+    for key, value in _read_toml(path).items():
+        name = known.get(key.replace("-", "_"))
+        if name is None:
             raise CliError(
-                f"{path}: unknown key {key!r} (known: {', '.join(sorted(CONFIG_KEYS))})",
+                f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})", EXIT_USAGE
+            )
+        if name in where:
+            raise CliError(
+                f"{path}: {where[name][0]!r} and {key!r} set the same option", EXIT_USAGE
+            )
+        if not isinstance(value, (str, int, float, bool)):
+            raise CliError(
+                f"{path}: {key} must be a string, a number or a boolean, got {value!r}",
                 EXIT_USAGE,
             )
-        out["learning_rate" if name == "lr" else name] = value
-    return out
+        defaults[name] = str(value)
+        where[name] = (key, value)
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[_CONFIG_META] = (path, where)
 
 
-@click.command(name="train")
+class TrainCommand(click.Command):
+    """``qps train``: a value of its --config file that its option refuses is reported
+    with the file and the key (exit status 2)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as exc:
+            config = ctx.meta.get(_CONFIG_META)
+            param = exc.param
+            if config is None or param is None or param.name not in config[1]:
+                raise
+            if ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT_MAP:
+                raise
+            path, where = config
+            key, value = where[param.name]
+            if isinstance(param.type, click.Choice):
+                choices = ", ".join(str(c) for c in param.type.choices)
+                message = f"{path}: {key}={value!r} is not one of {choices}"
+            else:
+                message = f"{path}: {key}={value!r}: {exc.message}"
+            raise CliError(message, EXIT_USAGE) from exc
+
+
+@click.command(name="train", cls=TrainCommand)
 @click.option(
     "--example",
     type=click.Choice(sorted(EXAMPLES)),
@@ -85,9 +144,13 @@ def _load_config(path: str) -> dict[str, Any]:
     "config_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="A TOML file of these options (keys as the long option names, e.g. "
-    "workers = 3, max-staleness = 2), optionally under [train]. Flags given on the "
-    "command line win.",
+    is_eager=True,
+    expose_value=False,
+    callback=_load_config,
+    help="A TOML file of these options (keys as the long option names, - or _, e.g. "
+    "workers = 3, max-staleness = 2), optionally under [train]; each value is checked "
+    "as its option's. Options given on the command line or in their environment "
+    "variables win; the file wins over the --example preset.",
 )
 @click.option("--ps", "num_shards", type=click.IntRange(min=1), default=None, help="PS shards [2].")
 @click.option(
@@ -203,7 +266,8 @@ def _load_config(path: str) -> dict[str, Any]:
 )
 @click.option("--quiet", "-q", is_flag=True, help="Do not stream the roles' logs.")
 @json_option
-def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> None:
+@click.pass_context
+def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
     """Train a model with parameter servers on this machine: one command starts a
     Redis server (or uses --url), the PS shards and the workers as separate processes,
     shows progress, and prints the final metrics.
@@ -224,19 +288,8 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
     """
     from workers.launcher import TrainConfig, run_job
 
-    settings: dict[str, Any] = {}
-    if config_path:
-        settings.update(_load_config(config_path))
-    example = flags.pop("example")
-    if config_path is None or "example" not in settings:
-        settings["example"] = example
-    preset = EXAMPLES[settings.pop("example")]
-    given = {k: v for k, v in flags.items() if v is not None}
-    merged = {**preset, **settings, **given}
-    if "url" not in given:  # --url was checked as it was parsed; a --config url is here
-        if not isinstance(merged.get("url") or "", str):
-            raise CliError(f"url must be a string, got {merged['url']!r}", EXIT_USAGE)
-        check_url(merged.get("url"))
+    preset = EXAMPLES[flags.pop("example")]
+    merged = {**preset, **{k: v for k, v in flags.items() if v is not None}}
     mode = merged.pop("mode", "async")
     staleness = merged.pop("max_staleness", None)
     backups = merged.pop("backup_workers", None)
@@ -246,31 +299,20 @@ def train(config_path: str | None, quiet: bool, json: bool, **flags: Any) -> Non
         staleness = 2 if staleness is None else staleness
     elif staleness is not None:
         raise CliError("--max-staleness needs --mode ssp", EXIT_USAGE)
-    merged.setdefault("num_shards", merged.pop("ps", 2))
-    merged.setdefault("num_workers", merged.pop("workers", 3))
-    merged.pop("ps", None)
-    merged.pop("workers", None)
-    if merged.get("grad_dtype", GRAD_DTYPES[0]) not in GRAD_DTYPES:
-        raise CliError(
-            f"grad-dtype {merged['grad_dtype']!r} is not one of {', '.join(GRAD_DTYPES)}",
-            EXIT_USAGE,
-        )
     if merged.get("backend"):  # refused here rather than by every worker
         try:
             backend.choose(str(merged["backend"]), "backend")
         except (ValueError, RuntimeError) as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
-    if not isinstance(merged.get("pack", True), bool):
-        raise CliError(f"pack must be true or false, got {merged['pack']!r}", EXIT_USAGE)
     if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
         raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
     sync_replicas = None
     if mode == "sync":
-        sync_replicas = merged["num_workers"] - (backups or 0)
+        sync_replicas = merged.get("num_workers", 3) - (backups or 0)
         if sync_replicas < 1:
             raise CliError(
                 f"--backup-workers {backups} leaves no worker to aggregate "
-                f"(--workers {merged['num_workers']})",
+                f"(--workers {merged.get('num_workers', 3)})",
                 EXIT_USAGE,
             )
     cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
