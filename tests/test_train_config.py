@@ -6,6 +6,8 @@
   file and the key. Precedence: command line > environment > file > example > default.
 * Every option's environment variable is QPS_<COMMAND>_<LONG OPTION> (QPS_TRAIN_WORKERS,
   not click's QPS_TRAIN_NUM_WORKERS), shown in every --help.
+* A model, optimizer or data set no role could use is refused by `qps train` itself
+  (exit 2, one line), and a role that exits 2 is never started again.
 
 The in-process tests replace :func:`workers.launcher.run_job` with a stand-in that
 records the job's :class:`~workers.launcher.TrainConfig`: nothing starts.
@@ -13,12 +15,15 @@ records the job's :class:`~workers.launcher.TrainConfig`: nothing starts.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -223,7 +228,55 @@ def test_the_rule_is_in_qps_help_and_the_reference() -> None:
     assert "QPS_TRAIN_WORKERS" in docs and "auto_envvar_prefix" not in docs
 
 
-# -- --url ------------------------------------------------------------------------------
+# -- settings no role could use: refused before anything starts --------------------------
+
+
+def test_settings_no_role_could_use_are_refused_up_front(
+    tmp_path: Path, jobs: list[TrainConfig], capsys: Any
+) -> None:
+    np.savez(tmp_path / "three.npz", a=np.zeros(2), b=np.zeros(2), c=np.zeros(2))
+    (tmp_path / "junk.npz").write_text("not a zip")
+    cases = [
+        (["--model", "foo:1,2"], "unknown model 'foo'; names: embbag, mlp"),
+        (["--model", "mlp:64"], "model mlp: needs at least 2 widths"),
+        (
+            ["--model", "py:no_such_module_here.Model"],
+            "py:no_such_module_here.Model: cannot import",
+        ),
+        (["--optimizer", "fast"], "unknown optimizer 'fast'; known: adagrad"),
+        (["--lr", "-1"], "SGD: learning_rate must be >= 0, got -1.0"),
+        (["--data", "mnist"], "--data 'mnist' is not one of digits, teacher, ctr"),
+        (["--data", str(tmp_path / "none.npz")], "No such file or directory"),
+        (["--data", str(tmp_path / "junk.npz")], "is not an .npz file"),
+        (["--data", str(tmp_path / "three.npz")], "expected arrays 'x' and 'y'"),
+        (["--data", "queue:"], "--data queue:: invalid resource name ''"),
+        (["--data", "ctr"], "--data ctr needs an embedding-bag model"),
+        (["--batch-size", "2000"], "--batch-size 2000 is larger than the 1,437 training"),
+        (["--container", "a b"], "invalid container name 'a b'"),
+    ]
+    for args, message in cases:
+        assert message in _refused(["train", *args], capsys), args
+    assert jobs == []
+    path = _config(tmp_path, 'model = "foo:1,2"\n')  # from a file too
+    assert _refused(["train", "--config", path], capsys).startswith("unknown model 'foo'")
+    assert jobs == []
+
+
+def test_the_builtin_sizes_are_the_data_sets() -> None:
+    from workers.data import builtin_split
+    from workers.models import build_model
+
+    model = build_model("embbag:tables=10,dim=2")
+    for name, size in launcher.BUILTIN_TRAIN_SIZES.items():
+        train, _ = builtin_split(name, model)
+        assert len(train[-1]) == size, name
+
+
+def test_a_worker_refuses_a_bad_model_before_it_connects(capsys: Any) -> None:
+    # the URL names no server: an exit status of 2 says nothing tried to connect
+    base = ["worker", "--index", "0", "--num-workers", "1", "--url", "redis://127.0.0.1:1/0"]
+    assert "unknown model 'foo'" in _refused([*base, "--model", "foo:1,2"], capsys)
+    assert "--data ctr needs" in _refused([*base, "--data", "ctr"], capsys)
 
 
 def test_a_bad_url_is_a_usage_error(tmp_path: Path, jobs: list[TrainConfig], capsys: Any) -> None:
@@ -232,3 +285,19 @@ def test_a_bad_url_is_a_usage_error(tmp_path: Path, jobs: list[TrainConfig], cap
     path = _config(tmp_path, 'url = "http://localhost:6379"\n')
     assert _refused(["train", "--config", path], capsys).startswith(shown)
     assert jobs == []
+
+
+def test_a_role_that_exits_with_a_usage_error_is_not_started_again(redis_url: str) -> None:
+    """The worker refuses an option (exit status 2): it would again, so it is not
+    restarted (--restarts 3) and the job stops at once with it failed."""
+    lines: list[str] = []
+    cfg = TrainConfig(
+        num_shards=1, num_workers=1, steps=5, restarts=3, url=redis_url,
+        container=f"t-{secrets.token_hex(4)}", extra_worker_args=["--no-such-option"],
+    )  # fmt: skip
+    result = asyncio.run(launcher.run_job(cfg, lines.append))
+    assert result.failed == {"worker0": 2} and result.restarts == {}, (result, lines)
+    assert result.exit_code == 1 and result.stopped == "every worker failed"
+    assert not [ln for ln in lines if "starting it again" in ln], lines
+    assert "qps train: worker0 exited with status 2 (a usage error: not started again)" in lines
+    assert sum("No such option '--no-such-option'" in ln for ln in lines) == 1, lines

@@ -13,7 +13,8 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
   exit 0; the final metrics are printed (test accuracy, global step, examples/s,
   staleness p50/p99 from the shards' statistics);
 * a role that dies (a crash, a SIGKILL) is started again, up to ``restarts`` times
-  each, as a process manager would: a restarted shard takes its lease over at once and
+  each, as a process manager would (never one that exits with status 2, a usage error:
+  it would refuse its settings again): a restarted shard takes its lease over at once and
   puts back what the dead one held, so every gradient is still applied exactly once; a
   restarted worker goes on after the last step it published;
 * a shard that fails for good, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
@@ -21,6 +22,9 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
 * with ``metrics_port`` BASE, shard ``i`` serves its Prometheus metrics on BASE + i and
   worker ``k`` on BASE + num_shards + k (:meth:`TrainConfig.metrics_ports`; BASE 0:
   each picks a free port and logs it).
+
+:meth:`TrainConfig.check` refuses, before anything starts, the settings a role would
+refuse (an unknown model, optimizer or data set...).
 
 Exit status: 0 when the job ran to its end, 1 when a shard failed or no worker
 finished, 130 after Ctrl-C.
@@ -39,19 +43,91 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 import qps
-from qps import checkpoint, wire
+from qps import checkpoint, keys, wire
+from qps.errors import InvalidArgumentError
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from workers import job
 from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
-from workers.worker import evaluate_params, latest_checkpoint
+from workers.models.base import Model
+from workers.worker import WorkerConfig, evaluate_params, latest_checkpoint
 
-__all__ = ["JobResult", "TrainConfig", "run_job"]
+__all__ = ["JobResult", "TrainConfig", "check_data", "check_model", "run_job"]
 
 #: how long roles get to exit after SIGTERM before SIGKILL
 GRACE_SECONDS = 10.0
+
+#: the exit status of a role that refused its settings (qps.cli.EXIT_USAGE): it is never
+#: started again, as it would refuse them again
+EXIT_USAGE = 2
+
+#: the training examples of each built-in data set (workers.data.builtin_split): a
+#: batch must not be larger
+BUILTIN_TRAIN_SIZES = {"digits": 1437, "teacher": 60_000, "ctr": 50_000}
+
+
+def check_model(spec: str) -> Model:
+    """The model ``spec`` names (:func:`workers.models.build_model`), built as a worker
+    builds it.
+
+    Raises:
+        InvalidArgumentError: it names none, or building it fails (a ``py:`` model's
+            own error, whatever its type, is reported as this too).
+    """
+    try:
+        return build_model(spec)
+    except InvalidArgumentError:
+        raise
+    except Exception as exc:
+        raise InvalidArgumentError(
+            f"model {spec!r} cannot be built: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def check_data(data: str, model: Model, batch_size: int | None = None) -> None:
+    """Refuse a ``--data`` a worker would refuse, without reading the data: a built-in
+    name (``ctr`` with an embedding-bag model; a batch no larger than its training
+    split), ``queue:NAME`` with a valid name, or an ``.npz`` file that holds ``x`` and
+    ``y`` (or exactly two arrays).
+
+    Raises:
+        InvalidArgumentError: what is wrong.
+    """
+    if data.startswith("queue:"):
+        try:
+            keys.check_name(data[len("queue:") :])
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--data {data}: {exc}") from None
+        return
+    if data in BUILTIN:
+        if data == "ctr" and not getattr(model, "vocab", None):
+            raise InvalidArgumentError("--data ctr needs an embedding-bag model (embbag:...)")
+        size = BUILTIN_TRAIN_SIZES[data]
+        if batch_size is not None and batch_size > size:
+            raise InvalidArgumentError(
+                f"--batch-size {batch_size} is larger than the {size:,} training examples "
+                f"of --data {data}"
+            )
+        return
+    if not data.endswith(".npz"):
+        raise InvalidArgumentError(
+            f"--data {data!r} is not one of {', '.join(BUILTIN)}, queue:NAME or an .npz file"
+        )
+    try:
+        with np.load(data, allow_pickle=False) as z:
+            names = list(z.files)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--data {data}: {exc.strerror or exc}") from None
+    except Exception as exc:  # not a zip, a damaged one
+        raise InvalidArgumentError(f"--data {data} is not an .npz file: {exc}") from None
+    if len(names) != 2 and not ({"x", "X"} & set(names) and {"y", "Y"} & set(names)):
+        raise InvalidArgumentError(
+            f"--data {data}: expected arrays 'x' and 'y' (or exactly two), got {names}"
+        )
 
 
 @dataclass
@@ -102,6 +178,33 @@ class TrainConfig:
     #: store a small dense model packed (``qps worker --pack``)
     pack: bool = True
     extra_worker_args: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Refuse what a role would refuse as a usage error, before any starts: the
+        model spec, the optimizer and its learning rate, the data, the container and
+        every other worker setting (:meth:`workers.worker.WorkerConfig.check`).
+
+        Raises:
+            InvalidArgumentError: the first setting that cannot work.
+        """
+        if self.container is not None:
+            keys.check_container(self.container)
+        WorkerConfig(
+            index=0,
+            num_workers=self.num_workers,
+            num_shards=self.num_shards,
+            model=self.model,
+            data=self.data,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            max_staleness=self.max_staleness,
+            checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.checkpoint_every,
+            backend=self.backend,
+            grad_dtype=self.grad_dtype,
+        ).check()
+        make_optimizer(self.optimizer, learning_rate=self.learning_rate)
+        check_data(self.data, check_model(self.model), self.batch_size)
 
     def metrics_ports(self) -> dict[str, int]:
         """Role name -> its metrics port: ``ps0``.. then ``worker0``.. from
@@ -394,7 +497,8 @@ async def _watch(
     """Wait for the workers, then finish the job and wait for the shards. Synchronous
     training ends once fewer than ``sync_replicas`` workers run: no update can form. A
     role that dies is started again (in place, in ``shards``/``workers``) up to
-    ``restarts`` times; after that its failure counts."""
+    ``restarts`` times; after that its failure counts. One that exits with
+    :data:`EXIT_USAGE` refused its settings: its failure counts at once."""
     waits = {asyncio.ensure_future(r.proc.wait()): r for r in shards + workers}
     stopping = asyncio.ensure_future(stop.wait())
     running_workers = set(workers)
@@ -411,7 +515,8 @@ async def _watch(
         for fut in done:
             role = waits.pop(fut)
             code = role.proc.returncode
-            if code != 0 and result.restarts.get(role.name, 0) < restarts:
+            again_ok = code not in (0, EXIT_USAGE)
+            if again_ok and result.restarts.get(role.name, 0) < restarts:
                 n = result.restarts[role.name] = result.restarts.get(role.name, 0) + 1
                 emit(
                     f"qps train: {role.name} exited with status {code}: starting it again "
@@ -431,7 +536,8 @@ async def _watch(
                 continue
             if code != 0:
                 result.failed[role.name] = int(code if code is not None else -1)
-                emit(f"qps train: {role.name} exited with status {code}")
+                why = " (a usage error: not started again)" if code == EXIT_USAGE else ""
+                emit(f"qps train: {role.name} exited with status {code}{why}")
             if role in running_workers:
                 running_workers.discard(role)
             elif code != 0 and not finished:  # a shard failed: the job cannot go on

@@ -280,9 +280,12 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
     marked finished, the shards drain their queues and exit, and the test accuracy,
     global step, examples/s and staleness (p50/p99, in applied updates) are printed.
 
+    A setting no role could run with (an unknown model, optimizer or data set, a bad
+    value in --config) is refused before anything starts (exit status 2).
     Ctrl-C stops every role (SIGTERM, then SIGKILL after 10 s): nothing is left
-    running. A role that dies is started again (--restarts, 3 times each by default):
-    every gradient is still applied exactly once. Past that, a worker that crashes does
+    running. A role that dies is started again (--restarts, 3 times each by default;
+    never one that exits with status 2, a usage error): every gradient is still applied
+    exactly once. Past that, a worker that crashes does
     not stop an asynchronous job; a shard that fails stops it (exit status 1).
     --metrics-port gives every role a Prometheus endpoint (docs/metrics.md).
     """
@@ -299,11 +302,6 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
         staleness = 2 if staleness is None else staleness
     elif staleness is not None:
         raise CliError("--max-staleness needs --mode ssp", EXIT_USAGE)
-    if merged.get("backend"):  # refused here rather than by every worker
-        try:
-            backend.choose(str(merged["backend"]), "backend")
-        except (ValueError, RuntimeError) as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
     if merged.get("checkpoint_every") and not merged.get("checkpoint_dir"):
         raise CliError("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
     sync_replicas = None
@@ -318,6 +316,10 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
     cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
     if cfg.metrics_port and cfg.metrics_port + cfg.num_shards + cfg.num_workers > 65536:
         raise CliError(f"--metrics-port {cfg.metrics_port} leaves too few ports", EXIT_USAGE)
+    try:  # what a role would refuse: refused once, here, before anything starts
+        cfg.check()
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     bar = Progress("qps train", unit="worker steps", live=sys.stderr.isatty() and not json)
 
     def emit(line: str) -> None:

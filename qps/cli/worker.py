@@ -196,8 +196,11 @@ def worker(
     steps = opts.pop("steps")
     opts["grad_dtype"] = opts.get("grad_dtype") or ""
     cfg = WorkerConfig(steps=None if steps == 0 else steps, **opts)  # type: ignore[arg-type]
-    try:
+    try:  # refused here, before it connects: exit 2, which `qps train` never restarts
         cfg.check()
+        from workers.launcher import check_data, check_model
+
+        check_data(cfg.data, check_model(cfg.model), cfg.batch_size)
     except Exception as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     serve_metrics(ctx, metrics_port, metrics_addr)
