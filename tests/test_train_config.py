@@ -8,6 +8,7 @@
   not click's QPS_TRAIN_NUM_WORKERS), shown in every --help.
 * A model, optimizer or data set no role could use is refused by `qps train` itself
   (exit 2, one line), and a role that exits 2 is never started again.
+* `qps --log-level` and `qps --log-json` reach the roles.
 
 The in-process tests replace :func:`workers.launcher.run_job` with a stand-in that
 records the job's :class:`~workers.launcher.TrainConfig`: nothing starts.
@@ -16,8 +17,12 @@ records the job's :class:`~workers.launcher.TrainConfig`: nothing starts.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -301,3 +306,37 @@ def test_a_role_that_exits_with_a_usage_error_is_not_started_again(redis_url: st
     assert not [ln for ln in lines if "starting it again" in ln], lines
     assert "qps train: worker0 exited with status 2 (a usage error: not started again)" in lines
     assert sum("No such option '--no-such-option'" in ln for ln in lines) == 1, lines
+
+
+# -- qps --log-level / --log-json reach the roles ----------------------------------------
+
+
+def _train_logs(redis_url: str, *global_args: str) -> list[str]:
+    """The roles' lines (``[ps0] ...``) of a small job run with ``qps GLOBAL_ARGS train``."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for name in ("QPS_LOG_LEVEL", "QPS_LOG_JSON", "QPS_REDIS_URL"):
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "qps.cli.main", *global_args, "train", "--url", redis_url,
+         "--container", f"t-{secrets.token_hex(4)}", "--ps", "1", "--workers", "1",
+         "--steps", "40", "--log-every", "10"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [ln for ln in out.stderr.splitlines() if re.match(r"\[(ps|worker)\d+\] ", ln)]
+
+
+def test_the_roles_log_as_json_at_info_by_default(redis_url: str) -> None:
+    """`qps --log-json train`: every role logs JSON lines, at INFO as `qps train` always
+    streamed them (no --log-level given)."""
+    lines = _train_logs(redis_url, "--log-json")
+    records = [json.loads(ln.split("] ", 1)[1]) for ln in lines if "] {" in ln]
+    assert {r["level"] for r in records} == {"INFO"}, lines
+    assert {"qps.ps", "qps.worker"} <= {r["logger"] for r in records}, records
+    assert not [ln for ln in lines if " qps: INFO: " in ln], lines  # no text records
+
+
+def test_the_roles_log_at_the_level_given(redis_url: str) -> None:
+    lines = _train_logs(redis_url, "--log-level", "warning")
+    assert lines  # the roles' own output still streams ("qps ps: shard 0/1 ...")
+    assert not [ln for ln in lines if "INFO" in ln], lines

@@ -178,6 +178,8 @@ class TrainConfig:
     #: store a small dense model packed (``qps worker --pack``)
     pack: bool = True
     extra_worker_args: list[str] = field(default_factory=list)
+    #: set in every role's environment (QPS_LOG_LEVEL, QPS_LOG_JSON: `qps --log-level`)
+    role_env: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         """Refuse what a role would refuse as a usage error, before any starts: the
@@ -301,10 +303,13 @@ class JobResult:
 
 
 class _Role:
-    def __init__(self, name: str, proc: asyncio.subprocess.Process, args: list[str]) -> None:
+    def __init__(
+        self, name: str, proc: asyncio.subprocess.Process, args: list[str], env: dict[str, str]
+    ) -> None:
         self.name = name
         self.proc = proc
         self.args = args
+        self.env = env
         self.pump: asyncio.Task[None] | None = None
 
 
@@ -315,10 +320,15 @@ async def _pump(role: _Role, emit: Callable[[str], None]) -> None:
         emit(f"[{role.name}] {line.decode(errors='replace').rstrip()}")
 
 
-async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Role:
+async def _start(
+    name: str, args: list[str], emit: Callable[[str], None], extra: dict[str, str] | None = None
+) -> _Role:
+    """Start role ``name``: ``qps ARGS`` with this environment, less the metrics
+    variables, plus ``extra``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # each role's port is in its args
         env.pop(var, None)
+    env.update(extra or {})
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -330,7 +340,7 @@ async def _start(name: str, args: list[str], emit: Callable[[str], None]) -> _Ro
         env=env,
         start_new_session=True,  # our signals only: Ctrl-C reaches us, we stop them
     )
-    role = _Role(name, proc, args)
+    role = _Role(name, proc, args, dict(extra or {}))
     role.pump = asyncio.create_task(_pump(role, emit))
     return role
 
@@ -431,11 +441,12 @@ async def run_job(
                     )
                 )
             for i in range(cfg.num_shards):
-                shards.append(await _start(f"ps{i}", cfg.shard_args(i, url, container), emit))
-            for k in range(cfg.num_workers):
-                workers.append(
-                    await _start(f"worker{k}", cfg.worker_args(k, url, container), emit)
+                shards.append(
+                    await _start(f"ps{i}", cfg.shard_args(i, url, container), emit, cfg.role_env)
                 )
+            for k in range(cfg.num_workers):
+                args = cfg.worker_args(k, url, container)
+                workers.append(await _start(f"worker{k}", args, emit, cfg.role_env))
             steps_total = None if cfg.data.startswith("queue:") else cfg.steps * cfg.num_workers
             result.exit_code = await _watch(
                 client, container, shards, workers, result, progress, stop, emit,
@@ -525,7 +536,7 @@ async def _watch(
                 if role.pump is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(role.pump, 5)
-                again = await _start(role.name, role.args, emit)
+                again = await _start(role.name, role.args, emit, role.env)
                 for group in (shards, workers):
                     if role in group:
                         group[group.index(role)] = again

@@ -274,7 +274,9 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
 
     `qps train` runs the digits example: an MLP 64-128-10 on scikit-learn's digits,
     2 PS shards, 3 asynchronous workers of 1,500 steps each, SGD with learning rate
-    0.05. Every role's log is streamed with its name in front; a progress bar (on a
+    0.05. Every role's log is streamed with its name in front (at INFO unless
+    `qps --log-level` or QPS_LOG_LEVEL says otherwise; as JSON with `qps --log-json`);
+    a progress bar (on a
     terminal; a plain line every 10% elsewhere) shows the workers' steps, the global
     step, examples/s and the loss. When the workers are done the job is
     marked finished, the shards drain their queues and exit, and the test accuracy,
@@ -313,7 +315,9 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
                 f"(--workers {merged.get('num_workers', 3)})",
                 EXIT_USAGE,
             )
-    cfg = TrainConfig(max_staleness=staleness, sync_replicas=sync_replicas, **merged)
+    cfg = TrainConfig(
+        max_staleness=staleness, sync_replicas=sync_replicas, role_env=_role_env(ctx), **merged
+    )
     if cfg.metrics_port and cfg.metrics_port + cfg.num_shards + cfg.num_workers > 65536:
         raise CliError(f"--metrics-port {cfg.metrics_port} leaves too few ports", EXIT_USAGE)
     try:  # what a role would refuse: refused once, here, before anything starts
@@ -359,3 +363,19 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
             )
     if result.exit_code:
         sys.exit(result.exit_code)
+
+
+def _role_env(ctx: click.Context) -> dict[str, str]:
+    """The environment the roles need to log as ``qps --log-level/--log-json`` asked.
+
+    A role logs at INFO unless a level was chosen (:func:`qps.cli.role_logs`): a level
+    given on the command line is passed on as QPS_LOG_LEVEL (one from QPS_LOG_LEVEL is
+    inherited as it is), and so is --log-json as QPS_LOG_JSON."""
+    root = ctx.find_root()
+    env: dict[str, str] = {}
+    source = root.get_parameter_source("log_level")
+    if source is not None and source is not ParameterSource.DEFAULT:
+        env["QPS_LOG_LEVEL"] = str(root.params["log_level"]).upper()
+    if root.params.get("log_json"):
+        env["QPS_LOG_JSON"] = "1"
+    return env
