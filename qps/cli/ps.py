@@ -105,7 +105,8 @@ async def _serve(url: str | None, options: ShardOptions) -> str:
 @click.option(
     "--optimizer",
     default=None,
-    help="sgd, momentum, adagrad, adam, rmsprop or ftrl (default: the job's stored one).",
+    help="sgd, momentum, adagrad, adam, rmsprop or ftrl (default: the job's stored one; "
+    "until another shard or qps.ps.configure records one, the shard waits for it).",
 )
 @click.option("--lr", "--learning-rate", "lr", type=float, default=None, help="learning_rate.")
 @click.option(
