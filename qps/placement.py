@@ -442,7 +442,9 @@ class PartitionedVariable:
         )
 
     async def create(self) -> PartitionedVariable:
-        """Create (or attach to) every part; see :meth:`Variable.create`.
+        """Create (or attach to) every part; see :meth:`Variable.create`. Every other
+        method does this on first use, so the parts exist together (a lookup of a few
+        ids does not leave the parts it does not touch uncreated).
 
         Raises:
             InvalidArgumentError: a part exists with another dtype, shape or place.
@@ -460,6 +462,7 @@ class PartitionedVariable:
         Raises:
             NotFoundError: a part was deleted.
         """
+        await self.create()  # every part, as TF creates them together
         reads = await asyncio.gather(*(p.read() for p in self._parts))
         value = np.concatenate([r.value for r in reads], axis=self._axis)
         return PartitionedValue(value, tuple(r.version for r in reads))
@@ -472,6 +475,7 @@ class PartitionedVariable:
         Raises:
             InvalidArgumentError: as :func:`embedding_lookup`.
         """
+        await self.create()  # every part, not only those the ids touch
         return await _lookup(self._parts, ids, partition_strategy)
 
 
@@ -644,4 +648,6 @@ async def embedding_lookup(
             shape or dtype.
         NotFoundError: a partition variable was deleted.
     """
+    if isinstance(params, PartitionedVariable):
+        await params.create()  # every part, not only those the ids touch
     return (await _lookup(_params_list(params), ids, partition_strategy)).values

@@ -34,7 +34,7 @@ from qps.placement import (
     tf_greedy_load_balancing,
     variable_axis_size_partitioner,
 )
-from qps.variables import Variable
+from qps.variables import Variable, list_variables
 
 # -- placement ------------------------------------------------------------------------------------
 
@@ -325,6 +325,21 @@ async def test_embedding_lookup_from_redis(client: qps.Client, strategy: str) ->
         await embedding_lookup(pv, [50], strategy)
     with pytest.raises(InvalidArgumentError, match="partitions differ"):
         await embedding_lookup([full, full[:, :2]], [0], strategy)
+
+
+@pytest.mark.parametrize("first", ["lookup", "read_rows"])
+async def test_a_lookup_of_a_few_ids_creates_every_part(client: qps.Client, first: str) -> None:
+    """docs/variables.md: ids 0, 1 and 99,999 touch parts 0 and 3 of 4; parts 1 and 2
+    used to stay uncreated, and `qps var stat emb` then failed on 'emb/part_1'."""
+    pv = PartitionedVariable("few", (100, 2), np.float32, [4, 1], client=client)
+    ids = np.array([0, 1, 99])
+    if first == "lookup":
+        await embedding_lookup(pv, ids, "div")
+    else:
+        await pv.read_rows(ids)
+    assert sorted(await list_variables(client)) == [f"few/part_{i}" for i in range(4)]
+    opened = await open_partitioned_variable(client, "few")
+    assert opened.shape == (100, 2)
 
 
 async def test_tf_case_70_from_redis(client: qps.Client) -> None:
