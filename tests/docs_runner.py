@@ -118,8 +118,10 @@ def parse(path: Path) -> list[Block]:
 #: a number's sign is its own only where no word or number comes right before it
 #: (``[-0.5``, `` -3``; not ``train-2026``)
 _NUMBER = r"(?:(?<![\w.])[-+])?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?"
-_TOKEN = re.compile(rf"\.\.\.|{_NUMBER}|\w+|[^\w\s]")
-_NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+#: a hex id (a generation, a nonce) of 8 or more digits counts as a number
+_HEX = r"(?<!\w)(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}(?!\w)"
+_TOKEN = re.compile(rf"\.\.\.|{_HEX}|{_NUMBER}|\w+|[^\w\s]")
+_NUM = re.compile(rf"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|{_HEX}")
 _SEP = "\x1f"
 
 
@@ -129,7 +131,7 @@ def _tokens(text: str) -> list[str]:
 
 def output_mismatch(expected: str, actual: str) -> str | None:
     """None where ``actual`` reads as ``expected``: the same words and punctuation in the
-    same order, any number where the page shows a number, and anything at all where it
+    same order, any number (or hex id) where the page shows one, and anything at all where it
     shows ``...``. Whitespace and line breaks do not count (a table's columns and an
     array's wrapping change with the numbers in them). Else a description of the first
     place where they part."""
