@@ -17,7 +17,8 @@ A page's fenced blocks are classified by their info string:
 * ``text`` (output, synopses, formulas, diagrams), ``toml``, ``yaml``, ``json``: not
   commands, nothing to run.
 
-Each page runs in a fresh temporary directory which is also its ``TMPDIR``, so the local
+Each page runs in a fresh temporary directory which is also its ``TMPDIR`` (with links to
+the checkout's ``bench`` and ``compose``, as a page's commands run from its root), so the local
 embedded server of a page (``qps.connect()`` and the ``qps`` commands without a URL) is a
 private one; the venv's ``bin`` comes first on ``PATH``. When a page ends, every process
 started from it (the shell's jobs, and daemons whose working directory is the page's) is
@@ -42,6 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNABLE = {"python", "sh", "console"}
+#: what a page's directory links to in the checkout: pages run commands from its root
+CHECKOUT = ("bench", "compose")
 INERT = {"text", "toml", "yaml", "json"}
 ILLUSTRATION = re.compile(r"^(?:\$\s*)?#\s*illustration only\b:?\s*(.*)$", re.IGNORECASE)
 FENCE = re.compile(r"^(\s*)```(.*)$")
@@ -333,13 +336,15 @@ class Page:
         self.path = path
         self.timeout = timeout
         self.dir = Path(tempfile.mkdtemp(prefix="qpsdoc-"))
+        for name in CHECKOUT:  # commands written for a checkout's root (bench/...)
+            (self.dir / name).symlink_to(ROOT / name)
         env = {k: v for k, v in os.environ.items() if not k.startswith("QPS_")}
         bindir = str(Path(sys.executable).parent)
         env.update(
             TMPDIR=str(self.dir),
             PATH=bindir + os.pathsep + env.get("PATH", ""),
             VIRTUAL_ENV=str(Path(bindir).parent),
-            PYTHONPATH=str(self.dir),
+            PYTHONPATH=os.pathsep.join([str(self.dir), str(ROOT)]),
             COLUMNS="100",
             PYTHONUNBUFFERED="1",
         )
