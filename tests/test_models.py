@@ -405,7 +405,7 @@ def test_register_model():
 
 def docs_example() -> str:
     text = DOCS.read_text()
-    m = re.search(r"<!-- example: user-model -->\s*```python\n(.*?)```", text, re.S)
+    m = re.search(r"<!-- example: user-model -->\s*```python[^\n]*\n(.*?)```", text, re.S)
     assert m, "docs/models.md lost its user-model example"
     return m.group(1)
 
