@@ -33,7 +33,6 @@ PAGES = [
 #: pages whose blocks are not yet classified and run (docs-as-tests is being extended to
 #: them); every other page must pass test_every_block_is_classified and test_page
 PENDING = {
-    "cli.md",
     "deployment.md", "input.md", "keys.md",
     "operations.md",
 }  # fmt: skip
