@@ -3,7 +3,8 @@
 A page's fenced blocks are classified by their info string:
 
 * ``python``: executed, in order, in one interpreter per page (a persistent process, so a
-  later block sees the names an earlier one defined; a block may ``await`` at top level).
+  later block sees the names an earlier one defined; a block may ``await`` at top level,
+  as in ``python -m asyncio``, whose loop keeps running the tasks a block leaves).
 * ``sh``: every command executed, in order, in one ``bash`` per page (variables, ``cd`` and
   ``export`` carry over; ``&`` jobs keep running until the page ends); each must exit 0.
   A ``text`` block right after a ``python`` block (nothing but blank lines between) is

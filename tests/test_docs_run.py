@@ -112,13 +112,17 @@ def test_a_page_session_keeps_state_and_reports_failures(tmp_path: Path) -> None
         "```console\n$ echo $((X + Y)) $Y\n42 1\n```\n\n"
         '```python title="mod.py"\nVALUE = 7\n```\n\n'
         "```python\nimport mod\nz = mod.VALUE\n```\n\n"
-        "```python\nawait __import__('asyncio').sleep(0)\nprint(z * 6)\n```\n\n"
+        "```python\nimport asyncio\nev = asyncio.Event()\nt = asyncio.ensure_future(ev.wait())\n"
+        "await asyncio.sleep(0)\nprint(z * 6)\n```\n\n"
+        "```python\nassert not t.done()\n```\n\n"
+        "```python\nawait asyncio.sleep(0)\nev.set()\n```\n\n"
+        "```python\nawait asyncio.wait_for(t, 10)  # the task went on between blocks\n```\n\n"
         "```sh\n# illustration only: never runs\nexit 3\n```\n\n"
         "```console\n$ echo 42 words\n42 numbers\n```\n",
         encoding="utf-8",
     )
     blocks = parse(page)
-    assert [b.illustration for b in blocks][5] == "never runs"
+    assert [b.illustration for b in blocks][8] == "never runs"
     session = Page(page, timeout=60)
     try:
         for block in blocks[:-1]:
