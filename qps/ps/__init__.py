@@ -4,6 +4,7 @@ worker's side of a PS job (see ``docs/ps.md``).
 * :mod:`qps.ps.messages` — gradient messages as bytes (pure);
 * :mod:`qps.ps.control` — what every role agrees on: config, placement, gradient
   queues, the global step, the "finished" mark, status and dead letters;
+* :mod:`qps.ps.status` — the shards' published status (re-exported by control);
 * :mod:`qps.ps.shard` — one shard: lease + fencing, apply loop, exactly-once commits;
 * :mod:`qps.ps.client` — pull / push / global step for workers (used by
   :class:`qps.Session`).

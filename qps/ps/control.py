@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -24,17 +24,23 @@ from qps.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
-    QpsError,
 )
 from qps.optimizers import Optimizer
 from qps.optimizers import from_spec as optimizer_from_spec
-from qps.ps.gradlist import WAKE, gradient_list_key, list_bytes
+from qps.ps.gradlist import WAKE, gradient_list_key
+from qps.ps.status import (  # the shards' status, read by the status commands
+    EXACT_STALENESS,
+    ShardStatus,
+    shard_status,
+    stale_bucket,
+    staleness_percentile,
+)
 from qps.queues import FIFOQueue
-from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "EXACT_STALENESS",
     "GLOBAL_STEP_SHARD",
     "GRADIENT_QUEUE_CAPACITY",
     "PSConfig",
@@ -376,181 +382,6 @@ async def is_finished(client: Client, container: str) -> bool:
     """Whether the job of ``container`` was marked finished."""
     with map_errors():
         return bool(await client.commands.exists(keys.ps_finished(container)))
-
-
-# -- status -------------------------------------------------------------------------------------
-
-#: Staleness values below this are counted exactly; larger ones by powers of two.
-EXACT_STALENESS = 16
-
-
-def stale_bucket(staleness: int) -> int:
-    """The histogram bucket of a staleness: itself below :data:`EXACT_STALENESS`, else
-    the largest power of two not above it."""
-    s = max(0, int(staleness))
-    return s if s < EXACT_STALENESS else 1 << (s.bit_length() - 1)
-
-
-def staleness_percentile(hist: Mapping[int, int], q: float) -> int | None:
-    """The ``q``-quantile (0..1) of a bucketed staleness histogram (a bucket's lower
-    bound), or None if it is empty."""
-    total = sum(hist.values())
-    if total == 0:
-        return None
-    rank = max(1, int(np.ceil(q * total)))
-    seen = 0
-    for b in sorted(hist):
-        seen += hist[b]
-        if seen >= rank:
-            return b
-    return max(hist)
-
-
-@dataclass(frozen=True)
-class ShardStatus:
-    """What a shard publishes in its stats hash, plus its lease and queue.
-
-    Attributes:
-        shard: the index.
-        state: ``running``, ``stopped``, ``finished`` or ``never started``.
-        owner, token: the lease holder (None when no live lease) and its fencing token.
-        applied: messages applied; ``skipped``: redeliveries found already applied;
-            ``rows``: rows updated; ``bytes``: gradient bytes applied;
-            ``dead_letters``: messages refused (see the shard's dead-letter list).
-        variables: variables the shard owns.
-        queue_size: messages waiting in its gradient queue and gradient list.
-        staleness: worker -> bucketed histogram {staleness: messages}.
-        fields: the raw stats hash.
-        queue_bytes: bytes of the messages waiting in its gradient queue and list (in Redis);
-            ``pending_bytes``: bytes of the pushes blocked on the full queue (also in
-            Redis, waiting to get in); None if the queue could not be read.
-        held_bytes: bytes of the messages the shard process holds: read ahead and in
-            the group it applies (as it last published them: with each group's counters
-            and each lease renewal; 0 once it stopped).
-    """
-
-    shard: int
-    state: str
-    owner: str | None
-    token: int | None
-    applied: int
-    skipped: int
-    rows: int
-    bytes: int
-    dead_letters: int
-    variables: int
-    queue_size: int | None
-    staleness: dict[str, dict[int, int]] = field(default_factory=dict)
-    fields: dict[str, str] = field(default_factory=dict)
-    queue_bytes: int | None = None
-    pending_bytes: int | None = None
-    held_bytes: int = 0
-
-    def percentiles(self) -> dict[str, dict[str, int | None]]:
-        """worker -> {"p50", "p99", "messages"} (and ``"*"`` for all workers)."""
-        out: dict[str, dict[str, int | None]] = {}
-        total: dict[int, int] = {}
-        for w, h in sorted(self.staleness.items()):
-            out[w] = {
-                "messages": sum(h.values()),
-                "p50": staleness_percentile(h, 0.5),
-                "p99": staleness_percentile(h, 0.99),
-            }
-            for b, n in h.items():
-                total[b] = total.get(b, 0) + n
-        if total:
-            out["*"] = {
-                "messages": sum(total.values()),
-                "p50": staleness_percentile(total, 0.5),
-                "p99": staleness_percentile(total, 0.99),
-            }
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "shard": self.shard,
-            "state": self.state,
-            "owner": self.owner,
-            "token": self.token,
-            "applied": self.applied,
-            "skipped": self.skipped,
-            "rows": self.rows,
-            "bytes": self.bytes,
-            "dead_letters": self.dead_letters,
-            "variables": self.variables,
-            "queue_size": self.queue_size,
-            "queue_bytes": self.queue_bytes,
-            "pending_bytes": self.pending_bytes,
-            "held_bytes": self.held_bytes,
-            "staleness": self.percentiles(),
-            "pid": self.fields.get("pid"),
-            "host": self.fields.get("host"),
-            "heartbeat_ms": int(self.fields["heartbeat_ms"])
-            if "heartbeat_ms" in self.fields
-            else None,
-        }
-
-
-async def shard_status(client: Client, container: str, shard: int) -> ShardStatus:
-    """Read shard ``shard``'s published status."""
-    prefix = keys.ps_prefix(container, shard)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(prefix + "stats")
-        pipe.get(prefix + "lease")
-        pipe.llen(prefix + "dlq")
-        raw, lease, dlq = await pipe.execute()
-    f = {_text(k): _text(v) for k, v in raw.items()}
-    stale: dict[str, dict[int, int]] = {}
-    for k, v in f.items():
-        if k.startswith("stale|") and k.count("|") >= 2:
-            worker, _, b = k[len("stale|") :].rpartition("|")
-            stale.setdefault(worker, {})[int(b)] = int(v)
-    owner = token = None
-    if lease is not None:
-        tok, _, owner = _text(lease).partition(" ")
-        token = int(tok) if tok.isdigit() else None
-    try:
-        qsize: int | None = (
-            await queue_stats(client, keys.ps_gradient_queue(shard), container)
-        ).size
-        if qsize is not None and not client.cluster:  # and those in its gradient list
-            with map_errors():
-                qsize += int(await client.commands.llen(gradient_list_key(container, shard)))
-    except Exception:
-        qsize = None
-    qbytes: int | None = None
-    pbytes: int | None = None
-    if qsize is not None:
-        try:
-            qbytes, pbytes = await list_queue_bytes(
-                client, keys.ps_gradient_queue(shard), container
-            )
-            if not client.cluster:
-                qbytes += await list_bytes(client, container, shard)
-        except QpsError:
-            qbytes = pbytes = None
-    state = f.get("state", "never started")
-    if state == "running" and owner is None:
-        state = "gone"  # its lease expired: killed or stalled
-    return ShardStatus(
-        shard=shard,
-        state=state,
-        owner=owner,
-        token=token,
-        applied=int(f.get("applied", 0)),
-        skipped=int(f.get("skipped", 0)),
-        rows=int(f.get("rows", 0)),
-        bytes=int(f.get("bytes", 0)),
-        dead_letters=int(dlq),
-        variables=int(f.get("variables", 0)),
-        queue_size=qsize,
-        staleness=stale,
-        fields=f,
-        queue_bytes=qbytes,
-        pending_bytes=pbytes,
-        held_bytes=int(f.get("held_bytes", 0)),
-    )
 
 
 # -- dead letters ---------------------------------------------------------------------------------
