@@ -47,7 +47,7 @@ async def test_wait_workers_done_blocks_until_the_last_one_finishes(make_client)
     assert await job.wait_workers_done(waiter_client, C, timeout=0.01) == []  # none known
     await job.publish_status(worker, C, "worker0", {"state": "training", "step": 3})
     await job.publish_status(worker, C, "worker1", {"state": "done", "step": 5})
-    await job.publish_status(worker, C, "eval", {"test_accuracy": 0.5})  # not a worker
+    await job.publish_status(worker, C, "eval", {"accuracy": 0.5})  # not a worker
     with pytest.raises(DeadlineExceededError, match="worker0 of container 'jobcli' not done"):
         await job.wait_workers_done(waiter_client, C, timeout=0.05)
     waiter = asyncio.create_task(job.wait_workers_done(waiter_client, C, timeout=30))
@@ -79,7 +79,10 @@ async def test_wait_for_running_needs_every_shard_and_worker_up(make_client):
         await monitor.wait_for(role, c, "serving", timeout=0.1)
     await job.publish_status(role, c, "worker0", {"state": "training", "step": 1})
     # shard 1 never started and worker1 never published: not running yet
-    with pytest.raises(DeadlineExceededError, match=r"did not come to running .*\(shard 1 never started, 1 of 2 worker"):
+    with pytest.raises(
+        DeadlineExceededError,
+        match=r"did not come to running .*\(shard 1 never started, 1 of 2 worker",
+    ):
         await monitor.wait_for(role, c, "running", timeout=0.2)
     await job.publish_status(role, c, "worker1", {"state": "training", "step": 1})
     with pytest.raises(DeadlineExceededError, match=r"\(shard 1 never started, 2 of 2 work"):
@@ -104,7 +107,7 @@ def test_worker_names_in_index_order() -> None:
     statuses: dict[str, dict[str, Any]] = {
         n: {"state": "training"} for n in ["worker10", "worker2", "worker0", "chief"]
     }
-    statuses["eval"] = {"test_accuracy": 1.0}
+    statuses["eval"] = {"accuracy": 1.0}
     assert job.worker_names(statuses) == ["chief", "worker0", "worker2", "worker10"]
 
 
@@ -162,6 +165,19 @@ def test_status_text_and_json(redis_url: str, built: str) -> None:
     assert d["global_step"] == 7 and d["num_shards"] == 2 and d["state"] == "running"
     assert [w["name"] for w in d["workers"]] == ["worker0", "worker1"]
     assert d["shards"][0]["lag"] == 3 and d["shards"][1]["dead_letters"] == 2
+    assert (d["test_metric"], d["test_value"], d["test_accuracy"]) == ("accuracy", 0.75, 0.75)
+
+
+def test_a_ctr_jobs_auc_is_shown_as_its_metric(redis_url: str, built: str) -> None:
+    """A CTR model's chief publishes {"auc": v} (workers.worker.evaluate_params): shown
+    as the test AUC, and not as an accuracy."""
+    _run(redis_url, lambda cl: job.publish_status(cl, built, "eval", {"auc": 0.8125}))
+    r = invoke("job", "status", "--url", redis_url, "--container", built)
+    assert "test AUC 0.8125" in r.output and "accuracy" not in r.output
+    d = json.loads(
+        invoke("job", "status", "--json", "--url", redis_url, "--container", built).output
+    )
+    assert (d["test_metric"], d["test_value"], d["test_accuracy"]) == ("auc", 0.8125, None)
 
 
 def test_status_not_found(redis_url: str) -> None:
@@ -177,9 +193,7 @@ def test_wait_command_prints_the_state_or_times_out(redis_url: str, built: str) 
     _run(redis_url, lambda cl: job.finish_worker(cl, built, "worker0"))
     r = invoke("job", "wait", "--for", "done", "--timeout", "30", *where)
     assert r.exit_code == 0, r.output
-    assert r.output == (
-        f"container {built}: job done, global step 7, 2 worker(s), 2 PS shard(s)\n"
-    )
+    assert r.output == (f"container {built}: job done, global step 7, 2 worker(s), 2 PS shard(s)\n")
 
 
 def test_stop_asks_unless_yes(redis_url: str, built: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,7 +84,8 @@ async def build_job(client: Client, container: str) -> None:
         client, container, "worker1", {"state": "done", "step": 12, "examples": 768, "loss": 0.25}
     )
     await job.finish_worker(client, container, "worker1")
-    await job.publish_status(client, container, "eval", {"test_accuracy": 0.75})
+    # what the chief publishes (workers.worker: {metric: value}, metric "accuracy" or "auc")
+    await job.publish_status(client, container, "eval", {"accuracy": 0.75})
     inp = FIFOQueue(100, [np.float32], shared_name="input", container=container, client=client)
     await inp.enqueue_many(np.zeros(5, np.float32))
 
@@ -98,6 +99,7 @@ async def test_snapshot_reads_config_workers_shards_and_queues(client):
     assert snap.num_shards == 2 and snap.optimizer == {"name": "sgd", "learning_rate": 0.1}
     assert snap.global_step == 7 and not snap.finished and snap.stop_requested is None
     assert snap.state == "running" and snap.test_accuracy == 0.75
+    assert (snap.test_metric, snap.test_value) == ("accuracy", 0.75)
     assert snap.ready == {"model": "mlp:4,3", "num_workers": 2}
 
     w0, w1 = snap.workers  # the eval record is not a worker
@@ -197,7 +199,7 @@ async def test_rates_from_two_snapshots(client):
 def _snap(**kw: object) -> monitor.JobSnapshot:
     base = monitor.JobSnapshot(
         container="c", time=100.0, num_shards=None, optimizer=None, ready=None,
-        finished=False, stop_requested=None, global_step=50, test_accuracy=None,
+        finished=False, stop_requested=None, global_step=50, test_metric=None, test_value=None,
         workers=(), shards=(), queues=(), staleness_p50=None, staleness_p99=None,
     )  # fmt: skip
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ __all__ = [
     "Rates",
     "ShardRow",
     "WorkerRow",
+    "eval_metric",
     "job_exists",
     "rates",
     "snapshot",
@@ -131,7 +132,8 @@ class JobSnapshot:
     finished: bool
     stop_requested: dict[str, Any] | None
     global_step: int
-    test_accuracy: float | None
+    test_metric: str | None
+    test_value: float | None
     workers: tuple[WorkerRow, ...]
     shards: tuple[ShardRow, ...]
     queues: tuple[QueueRow, ...]
@@ -145,6 +147,12 @@ class JobSnapshot:
         queues = sum(q.dead_letters for q in self.queues)
         grads = sum(s.queue.dead_letters for s in self.shards if s.queue is not None)
         return shards + queues + grads
+
+    @property
+    def test_accuracy(self) -> float | None:
+        """The chief's test accuracy (None before its evaluation, or when its metric is
+        another one: the AUC of a CTR model)."""
+        return self.test_value if self.test_metric == "accuracy" else None
 
     @property
     def state(self) -> str:
@@ -163,6 +171,7 @@ class JobSnapshot:
         d = asdict(self)
         d["state"] = self.state
         d["dead_letters"] = self.dead_letters
+        d["test_accuracy"] = self.test_accuracy
         return d
 
 
@@ -271,6 +280,23 @@ def _float(x: Any) -> float | None:
         return None
 
 
+#: the test metrics the chief publishes (``workers.worker.evaluate_params``), in the
+#: eval record's order of preference
+TEST_METRICS = ("accuracy", "auc")
+
+
+def eval_metric(statuses: Mapping[str, Mapping[str, Any]]) -> tuple[str | None, float | None]:
+    """``(name, value)`` of the chief's test metric from the published statuses: its
+    ``eval`` record, ``{"accuracy": v}`` or ``{"auc": v}`` (a CTR model), as
+    ``workers.worker`` publishes it; ``(None, None)`` before it evaluated."""
+    record = statuses.get("eval") or {}
+    for name in TEST_METRICS:
+        value = _float(record.get(name))
+        if value is not None:
+            return name, value
+    return None, None
+
+
 async def _queue_row(client: Client, name: str, container: str) -> QueueRow | None:
     try:
         return QueueRow.of(await queue_stats(client, name, container))
@@ -368,6 +394,7 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
     rows = await asyncio.gather(*(_queue_row(client, q, container) for q in names))
     queues = [row for row in rows if row is not None]
 
+    metric, value = eval_metric(statuses)
     optimizer = None
     if cfg is not None and cfg.optimizer is not None:
         optimizer = {"name": cfg.optimizer.name, **cfg.optimizer.hparams()}
@@ -380,7 +407,8 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
         finished=finished,
         stop_requested=stop,
         global_step=global_step,
-        test_accuracy=_float(statuses.get("eval", {}).get("test_accuracy")),
+        test_metric=metric,
+        test_value=value,
         workers=tuple(workers),
         shards=tuple(shards),
         queues=tuple(queues),

@@ -37,7 +37,7 @@ from qps.transport import Client
 from workers import job as job_marks
 from workers.monitor import WAIT_STATES, JobSnapshot, snapshot, wait_for
 
-__all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_opt", "fmt_rate", "job"]
+__all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_metric", "fmt_opt", "fmt_rate", "job"]
 
 
 def fmt_loss(v: float | None) -> str:
@@ -61,6 +61,11 @@ def fmt_age(v: float | None) -> str:
 def fmt_depth(size: int, capacity: int) -> str:
     """``size/capacity`` (``inf`` for an unbounded queue, as ``qps queue ls``)."""
     return f"{size}/{'inf' if capacity < 0 else capacity}"
+
+
+def fmt_metric(name: str | None) -> str:
+    """The chief's test metric as the commands print it: ``accuracy``, ``AUC``."""
+    return "AUC" if name == "auc" else str(name)
 
 
 def fmt_opt(opt: dict[str, Any] | None) -> str:
@@ -158,8 +163,8 @@ def status_lines(snap: JobSnapshot) -> list[str]:
     ]
     if snap.stop_requested is not None:
         out.append(f"stop requested: {snap.stop_requested.get('reason', '')}")
-    if snap.test_accuracy is not None:
-        out.append(f"test accuracy {snap.test_accuracy:.4f}")
+    if snap.test_value is not None:
+        out.append(f"test {fmt_metric(snap.test_metric)} {snap.test_value:.4f}")
     stale = f"staleness p50 {_p(snap.staleness_p50)} / p99 {_p(snap.staleness_p99)}"
     out.append(f"{stale}; dead letters {snap.dead_letters}")
     out.append("")

@@ -35,7 +35,7 @@ from qps.cli import (
     run_async,
     url_option,
 )
-from qps.cli.job import fmt_age, fmt_depth, fmt_loss, fmt_opt, fmt_rate
+from qps.cli.job import fmt_age, fmt_depth, fmt_loss, fmt_metric, fmt_opt, fmt_rate
 from qps.errors import NotFoundError, QpsError
 from qps.transport import Client
 from workers.monitor import JobSnapshot, QueueRow, Rates, rates, snapshot
@@ -94,8 +94,8 @@ def _header(snap: JobSnapshot, r: Rates | None, interval: float) -> Text:
         f"p99 {_p(snap.staleness_p99)}  "
     )
     t.append(f"dead letters {snap.dead_letters}", "bold red" if snap.dead_letters else "")
-    if snap.test_accuracy is not None:
-        t.append(f"  test accuracy {snap.test_accuracy:.4f}")
+    if snap.test_value is not None:
+        t.append(f"  test {fmt_metric(snap.test_metric)} {snap.test_value:.4f}")
     when = time.strftime("%H:%M:%S", time.localtime(snap.time))
     t.append(f"\nat {when}, every {interval:g} s; Ctrl-C quits", "dim")
     return t
