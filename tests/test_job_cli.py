@@ -79,10 +79,7 @@ async def test_wait_for_running_needs_every_shard_and_worker_up(make_client):
         await monitor.wait_for(role, c, "serving", timeout=0.1)
     await job.publish_status(role, c, "worker0", {"state": "training", "step": 1})
     # shard 1 never started and worker1 never published: not running yet
-    with pytest.raises(
-        DeadlineExceededError,
-        match=r"did not come to running .*\(shard 1 never started, 1 of 2 worker",
-    ):
+    with pytest.raises(DeadlineExceededError, match=r"did not come to running .*\(shard 1 never started, 1 of 2 worker"):
         await monitor.wait_for(role, c, "running", timeout=0.2)
     await job.publish_status(role, c, "worker1", {"state": "training", "step": 1})
     with pytest.raises(DeadlineExceededError, match=r"\(shard 1 never started, 2 of 2 work"):
@@ -148,14 +145,9 @@ def test_status_text_and_json(redis_url: str, built: str) -> None:
     w0 = next(x for x in lines if x.startswith("worker0"))
     assert w0.split()[:6] == ["worker0", "training", "10", "640", "0.5000", "100"]
     shard0 = next(x for x in lines if x.split()[:2] == ["0", "running"])
-    assert shard0.split()[2:8] == [
-        "10",
-        "3/8",
-        "3",
-        "2",
-        "3",
-        "0",
-    ]  # applied, queue, lag, p50, p99, dlq
+    # arrived, taken (the queue's and the gradient list's), applied, queue, lag, p50, p99, dlq
+    assert shard0.split()[2:] == ["7", "3", "10", "3/8", "4", "2", "3", "0"]
+    assert "DROPPED" not in r.output  # no shard dropped a stale gradient
     shard1 = next(x for x in lines if x.split()[:2] == ["1", "finished"])
     assert shard1.split()[-1] == "2"  # dead letters
     assert any(x.split()[:3] == ["input", "FIFOQueue", "5/100"] for x in lines)
@@ -164,7 +156,11 @@ def test_status_text_and_json(redis_url: str, built: str) -> None:
     d = json.loads(r.output)
     assert d["global_step"] == 7 and d["num_shards"] == 2 and d["state"] == "running"
     assert [w["name"] for w in d["workers"]] == ["worker0", "worker1"]
-    assert d["shards"][0]["lag"] == 3 and d["shards"][1]["dead_letters"] == 2
+    assert d["shards"][0]["lag"] == 4 and d["shards"][1]["dead_letters"] == 2
+    s0 = d["shards"][0]
+    assert (s0["arrived"], s0["taken"], s0["dropped_stale"]) == (7, 3, 0)
+    assert s0["list"] == {"shard": 0, "key": f"qps:{{{built}/ps/0}}:glist", "waiting": 1,
+                          "pushed": 4, "taken": 3}  # fmt: skip
     assert (d["test_metric"], d["test_value"], d["test_accuracy"]) == ("accuracy", 0.75, 0.75)
 
 
@@ -174,9 +170,7 @@ def test_a_ctr_jobs_auc_is_shown_as_its_metric(redis_url: str, built: str) -> No
     _run(redis_url, lambda cl: job.publish_status(cl, built, "eval", {"auc": 0.8125}))
     r = invoke("job", "status", "--url", redis_url, "--container", built)
     assert "test AUC 0.8125" in r.output and "accuracy" not in r.output
-    d = json.loads(
-        invoke("job", "status", "--json", "--url", redis_url, "--container", built).output
-    )
+    d = json.loads(invoke("job", "status", "--json", "--url", redis_url, "--container", built).output)
     assert (d["test_metric"], d["test_value"], d["test_accuracy"]) == ("auc", 0.8125, None)
 
 
@@ -193,7 +187,9 @@ def test_wait_command_prints_the_state_or_times_out(redis_url: str, built: str) 
     _run(redis_url, lambda cl: job.finish_worker(cl, built, "worker0"))
     r = invoke("job", "wait", "--for", "done", "--timeout", "30", *where)
     assert r.exit_code == 0, r.output
-    assert r.output == (f"container {built}: job done, global step 7, 2 worker(s), 2 PS shard(s)\n")
+    assert r.output == (
+        f"container {built}: job done, global step 7, 2 worker(s), 2 PS shard(s)\n"
+    )
 
 
 def test_stop_asks_unless_yes(redis_url: str, built: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -132,7 +132,8 @@ def test_shard_process_sigterm_status_dlq_finish(
     assert r.exit_code == 0, r.output
     assert f"container {container}: global step 2, job running" in r.output
     row = next(line for line in r.output.splitlines() if line.startswith("0 "))
-    assert row.split()[:2] == ["0", "running"] and row.split()[3:8] == ["1", "2", "0", "4", "1"]
+    # vars, applied, skipped, dropped (stale: synchronous training only), rows, dead letters
+    assert row.split()[:2] == ["0", "running"] and row.split()[3:9] == ["1", "2", "0", "0", "4", "1"]
     assert "cli-w: 2 message(s)" in r.output
     data = json.loads(
         invoke("ps", "status", "--json", "--url", redis_url, "--container", container).output

@@ -17,6 +17,7 @@ from qps.ps import control
 from qps.ps.messages import SparseGradient
 from tests.conftest import until
 from tests.test_ps_shard import C, Job, job  # noqa: F401  (the fixture)
+from workers import monitor
 
 
 async def test_updates_average_fresh_gradients_and_drop_stale_ones(job: Job) -> None:  # noqa: F811
@@ -50,6 +51,10 @@ async def test_updates_average_fresh_gradients_and_drop_stale_ones(job: Job) -> 
 
     await until(dropped)
     assert await a.global_step() == 2
+    # what `qps ps status` (and --json) and the job views show of it
+    st = await control.shard_status(a.client, C, 0)
+    assert st.dropped_stale == 1 and st.as_dict()["dropped_stale"] == 1
+    assert (await monitor.snapshot(a.client, C)).shards[0].dropped_stale == 1
 
 
 async def test_sync_config_is_checked(job: Job) -> None:  # noqa: F811

@@ -31,7 +31,8 @@ from qps.cli.main import cli
 from qps.cli.top import bar, render
 from qps.errors import NotFoundError
 from qps.optimizers import make_optimizer
-from qps.ps import control
+from qps.ps import control, gradlist
+from qps.ps.gradlist import GradientList
 from qps.queues import FIFOQueue
 from qps.transport import Client
 from workers import job, monitor
@@ -43,7 +44,9 @@ C = "toptest"
 async def build_job(client: Client, container: str) -> None:
     """A job caught mid-run, written with the functions the roles use (and a shard's
     stats hash as a shard writes it): 2 shards (SGD 0.1), global step 7; shard 0
-    running with 3 messages in its gradient queue; shard 1 finished with 2 dead letters;
+    running with 3 messages in its gradient queue, and 4 pushed onto its gradient list
+    (the lean channel of a single server) of which it took 3; shard 1 finished with 2
+    dead letters;
     worker0 training at step 10, worker1 done at step 12; an input queue holding 5 of
     100; a chief's eval record."""
     await control.configure(client, container, 2, make_optimizer("sgd", learning_rate=0.1))
@@ -66,6 +69,12 @@ async def build_job(client: Client, container: str) -> None:
         },
     )
     await client.commands.set(p0 + "lease", "3 host:1:abc")
+    if not client.cluster:  # pushed with a worker's commands, counted as a shard counts
+        gl = GradientList(client, container, 0)
+        for i in range(4):
+            await client.run_commands([gl.push_command(b"m%d" % i), gl.count_command()])
+        await client.commands.lpop(gl.key, 3)
+        await client.commands.hincrby(p0 + "stats", gradlist.TAKEN, 3)
     await client.commands.hset(
         p1 + "stats", mapping={"state": "finished", "applied": 5, "stale|worker1|0": 5}
     )
@@ -78,7 +87,14 @@ async def build_job(client: Client, container: str) -> None:
         client,
         container,
         "worker0",
-        {"state": "training", "step": 10, "examples": 640, "loss": 0.5, "examples_per_s": 100.0},
+        {
+            "state": "training",
+            "step": 10,
+            "examples": 640,
+            "loss": 0.5,
+            "examples_per_s": 100.0,
+            "started_at": time.time() - 60,
+        },
     )
     await job.publish_status(
         client, container, "worker1", {"state": "done", "step": 12, "examples": 768, "loss": 0.25}
@@ -125,7 +141,12 @@ async def test_snapshot_reads_config_workers_shards_and_queues(client):
         2,
     )
     assert s0.queue is not None and (s0.queue.size, s0.queue.capacity) == (3, 8)
-    assert s0.lag == 3 and (s0.staleness_p50, s0.staleness_p99) == (2, 3)  # {1: 4, 2: 5, 3: 1}
+    # waiting: 3 in the queue and 1 in the list
+    assert s0.lag == 4 and (s0.staleness_p50, s0.staleness_p99) == (2, 3)  # {1: 4, 2: 5, 3: 1}
+    # the messages that came and went on both channels: the queue's 3, the list's 4 and 3
+    assert (s0.arrived, s0.taken) == (7, 3) and (s1.arrived, s1.taken) == (0, 0)
+    assert s0.list == monitor.ListRow(0, gradlist.gradient_list_key(C, 0), 1, 4, 3)
+    assert s0.list.name == "ps/0/glist" and s0.dropped_stale == 0
     assert s0.heartbeat_age_s is not None and s0.heartbeat_age_s < 60
     assert (s1.state, s1.applied, s1.dead_letters) == ("finished", 5, 2)
     assert s1.queue is None and s1.lag is None  # nothing pushed to shard 1 yet
@@ -174,6 +195,10 @@ async def test_rates_from_two_snapshots(client):
     grads = control.gradient_queue(client, C, 0)
     await grads.dequeue()
     await grads.dequeue()
+    gl = GradientList(client, C, 0)  # 2 more pushed onto the list, 2 taken from it
+    for i in range(2):
+        await client.run_commands([gl.push_command(b"n%d" % i), gl.count_command()])
+    await client.commands.hincrby(keys.ps_prefix(C, 0) + "stats", gradlist.TAKEN, 2)
     second = await monitor.snapshot(client, C)
     r = monitor.rates(first, second)
     dt = second.time - first.time
@@ -188,6 +213,10 @@ async def test_rates_from_two_snapshots(client):
     assert r.worker_steps_per_s["worker1"] == 0.0  # done
     assert r.queue_dequeues_per_s["ps/0/grads"] == pytest.approx(2 / dt)
     assert r.queue_dequeues_per_s["input"] == 0.0
+    # the shard's traffic on both channels: 2 arrived (list), 4 taken (2 + 2)
+    assert r.shard_arrivals_per_s == {0: pytest.approx(2 / dt), 1: 0.0}
+    assert r.shard_takes_per_s == {0: pytest.approx(4 / dt), 1: 0.0}
+    assert r.list_takes_per_s == {"ps/0/glist": pytest.approx(2 / dt), "ps/1/glist": 0.0}
     # no new status from worker0: its last known rate is kept
     third = await monitor.snapshot(client, C)
     r2 = monitor.rates(second, third, r)
@@ -254,8 +283,13 @@ async def test_render_shows_workers_shards_and_queues(client):
     text = _text(render(second, monitor.rates(first, second), 1.0))
     for needle in ["container toptest", "job running", "global step 7", "sgd(learning_rate=0.1)",
                    "worker0", "worker1", "training", "0.5000", "ps/0/grads", "input", "3/8",
-                   "5/100", "dead letters 2", "test accuracy 0.7500", "finished"]:  # fmt: skip
+                   "5/100", "dead letters 2", "test accuracy 0.7500", "finished",
+                   "ARRIVED/S", "TAKEN/S", "APPLIES/S"]:  # fmt: skip
         assert needle in text, (needle, text)
+    # shard 0's gradient list gets a row of its own under its queue: 1 waiting, unbounded
+    glist = next(line for line in text.splitlines() if line.startswith("ps/0/glist"))
+    assert glist.split()[:3] == ["ps/0/glist", "list", "1/inf"], text
+    assert not any(line.startswith("ps/1/glist") for line in text.splitlines())  # unused
     assert "█" in text and "░" in text
     assert "waiting for one" in _text(
         render(None, None, 1.0, "x", "no training job; waiting for one")
@@ -277,6 +311,7 @@ async def test_render_fits_the_terminal(client, width):
         assert needle in text, (needle, text)
     if width == 80:
         assert "DEQ/S" in text and "FIFO " in text and "FIFOQueue" not in text
+        assert "IN/S" in text and "OUT/S" in text and "ps/0/glist" in text
         assert len(lines) <= 24 - 1  # a frame of this job fits an 80x24 screen
     else:
         assert "DEQUEUES/S" in text and "FIFOQueue" in text and "█" * 20 not in text

@@ -17,26 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qps import keys
 from qps.errors import DeadlineExceededError, NotFoundError
 from qps.ps import control
+from qps.ps.gradlist import gradient_list_key
 from qps.queues.inspect import QueueStats, list_queues, queue_stats
-from qps.transport import Client
+from qps.transport import Client, map_errors
 from workers import job
 
 __all__ = [
     "JobSnapshot",
+    "ListRow",
     "QueueRow",
     "Rates",
     "ShardRow",
     "WorkerRow",
     "eval_metric",
     "job_exists",
+    "job_state",
     "rates",
+    "read_global_step",
     "snapshot",
 ]
 
@@ -98,11 +102,34 @@ class WorkerRow:
 
 
 @dataclass(frozen=True)
+class ListRow:
+    """A shard's gradient list (qps.ps.gradlist: on a single server the workers push
+    their gradients there, not onto the gradient queue): messages ``waiting`` in it,
+    ever ``pushed`` onto it and ``taken`` from it by the shard."""
+
+    shard: int
+    key: str
+    waiting: int
+    pushed: int
+    taken: int
+
+    @property
+    def name(self) -> str:
+        """How the views name it, beside its shard's queue ``ps/<i>/grads``."""
+        return f"ps/{self.shard}/glist"
+
+
+@dataclass(frozen=True)
 class ShardRow:
     """A PS shard: its state and counters (see :class:`qps.ps.control.ShardStatus`),
-    its gradient ``queue`` (None if it does not exist yet), ``lag``: messages waiting
-    for it (stored in the queue plus pushes blocked on the full queue), and the
-    staleness percentiles of what it applied (all workers)."""
+    its gradient ``queue`` (None if it does not exist yet) and gradient ``list`` (None
+    on a cluster, which has none), ``lag``: messages waiting for it (stored in the
+    queue and the list, plus pushes blocked on the full queue), and the staleness
+    percentiles of what it applied (all workers).
+
+    ``arrived`` / ``taken``: gradient messages pushed to the shard / taken by it, on
+    either channel (the queue's ``enq``/``deq`` plus the list's counters);
+    ``dropped_stale``: stale gradients it dropped (synchronous training)."""
 
     shard: int
     state: str
@@ -114,6 +141,10 @@ class ShardRow:
     dead_letters: int
     queue: QueueRow | None
     lag: int | None
+    arrived: int
+    taken: int
+    dropped_stale: int
+    list: ListRow | None
     messages: int
     staleness_p50: int | None
     staleness_p99: int | None
@@ -159,13 +190,9 @@ class JobSnapshot:
         """``finished`` (the PS job was marked finished), ``stopping`` (a stop was
         requested), ``done`` (every worker done), ``running`` or ``starting`` (no worker
         status yet)."""
-        if self.finished:
-            return "finished"
-        if self.stop_requested is not None:
-            return "stopping"
-        if self.workers and all(w.done for w in self.workers):
-            return "done"
-        return "running" if self.workers else "starting"
+        return job_state(
+            self.finished, self.stop_requested is not None, [w.done for w in self.workers]
+        )
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -173,6 +200,26 @@ class JobSnapshot:
         d["dead_letters"] = self.dead_letters
         d["test_accuracy"] = self.test_accuracy
         return d
+
+
+def job_state(finished: bool, stopping: bool, workers_done: Sequence[bool]) -> str:
+    """A job's state (see :attr:`JobSnapshot.state`) from its finished mark, whether a
+    stop was requested, and whether each worker that published a status is done."""
+    if finished:
+        return "finished"
+    if stopping:
+        return "stopping"
+    if workers_done and all(workers_done):
+        return "done"
+    return "running" if workers_done else "starting"
+
+
+async def read_global_step(client: Client, container: str) -> int:
+    """The global step (0 before shard 0 advanced it), read without creating the
+    counter (a :class:`qps.Counter` would: reading a job writes nothing)."""
+    with map_errors():
+        raw = await client.commands.get(keys.counter_key(container, keys.GLOBAL_STEP))
+    return _int(raw.decode() if isinstance(raw, bytes) else raw)
 
 
 #: what ``qps job wait --for`` waits for
@@ -321,10 +368,7 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
         )
     finished = await control.is_finished(client, container)
     stop = await job.stop_requested(client, container)
-    try:
-        global_step = await control.global_step_counter(client, container).get()
-    except NotFoundError:
-        global_step = 0
+    global_step = await read_global_step(client, container)
     done = await job.finished_workers(client, container)
 
     n = 0 if cfg is None else cfg.num_shards
@@ -356,8 +400,20 @@ async def snapshot(client: Client, container: str) -> JobSnapshot:
                 variables=st.variables,
                 dead_letters=st.dead_letters,
                 queue=q,
-                # queue_size counts the gradient list too (synchronous training)
+                # queue_size counts the gradient list too
                 lag=None if q is None else max(q.size, st.queue_size or 0) + q.pending_enqueues,
+                arrived=(0 if q is None else q.enqueued_total) + st.list_pushed,
+                taken=(0 if q is None else q.dequeued_total) + st.list_taken,
+                dropped_stale=st.dropped_stale,
+                list=None
+                if st.list_size is None
+                else ListRow(
+                    shard=st.shard,
+                    key=gradient_list_key(container, st.shard),
+                    waiting=st.list_size,
+                    pushed=st.list_pushed,
+                    taken=st.list_taken,
+                ),
                 messages=sum(total.values()),
                 staleness_p50=control.staleness_percentile(total, 0.5),
                 staleness_p99=control.staleness_percentile(total, 0.99),
@@ -430,10 +486,16 @@ class Rates:
     worker_steps_per_s: dict[str, float | None] = field(default_factory=dict)
     shard_applies_per_s: dict[int, float | None] = field(default_factory=dict)
     queue_dequeues_per_s: dict[str, float | None] = field(default_factory=dict)
+    #: gradient messages pushed to / taken by each shard, on either channel
+    shard_arrivals_per_s: dict[int, float | None] = field(default_factory=dict)
+    shard_takes_per_s: dict[int, float | None] = field(default_factory=dict)
+    #: messages taken from each shard's gradient list (its ``ListRow.name``)
+    list_takes_per_s: dict[str, float | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["shard_applies_per_s"] = {str(k): v for k, v in self.shard_applies_per_s.items()}
+        for k in ("shard_applies_per_s", "shard_arrivals_per_s", "shard_takes_per_s"):
+            d[k] = {str(i): v for i, v in getattr(self, k).items()}
         return d
 
 
@@ -461,10 +523,18 @@ def rates(prev: JobSnapshot, cur: JobSnapshot, last: Rates | None = None) -> Rat
         else:  # no new status since: keep what we knew
             workers[w.name] = None if last is None else last.worker_steps_per_s.get(w.name)
     before_s = {s.shard: s for s in prev.shards}
-    shards = {
-        s.shard: _per_s(before_s[s.shard].applied, s.applied, dt) if s.shard in before_s else None
-        for s in cur.shards
-    }
+
+    def per_shard(count: Callable[[ShardRow], int]) -> dict[int, float | None]:
+        return {
+            s.shard: _per_s(count(before_s[s.shard]), count(s), dt) if s.shard in before_s else None
+            for s in cur.shards
+        }
+
+    lists: dict[str, float | None] = {}
+    for s in cur.shards:
+        old_l = before_s[s.shard].list if s.shard in before_s else None
+        if s.list is not None:
+            lists[s.list.name] = None if old_l is None else _per_s(old_l.taken, s.list.taken, dt)
     all_q = {q.name: q for q in prev.queues}
     all_q.update({s.queue.name: s.queue for s in prev.shards if s.queue is not None})
     queues: dict[str, float | None] = {}
@@ -477,6 +547,9 @@ def rates(prev: JobSnapshot, cur: JobSnapshot, last: Rates | None = None) -> Rat
         seconds=dt,
         global_steps_per_s=_per_s(prev.global_step, cur.global_step, dt),
         worker_steps_per_s=workers,
-        shard_applies_per_s=shards,
+        shard_applies_per_s=per_shard(lambda s: s.applied),
         queue_dequeues_per_s=queues,
+        shard_arrivals_per_s=per_shard(lambda s: s.arrived),
+        shard_takes_per_s=per_shard(lambda s: s.taken),
+        list_takes_per_s=lists,
     )

@@ -102,9 +102,11 @@ def status_command(url: str | None, container: str, json: bool) -> None:
     """One snapshot of the job in the container: the PS config (shards, optimizer),
     its state (starting, running, done, stopping, finished), the global step; per
     worker: state, steps, examples, last loss, examples/s and the age of its status;
-    per shard: state, messages applied, its gradient queue (depth/capacity), lag
-    (messages waiting), staleness p50/p99 and dead letters; every other queue's
-    depth/capacity. Exit code 3 when the container holds no job.
+    per shard: state, gradient messages arrived and taken (on its gradient queue and,
+    on a single server, its gradient list), applied, its gradient queue
+    (depth/capacity), lag (messages waiting), staleness p50/p99, dead letters and, in
+    synchronous training, stale gradients dropped; every other queue's depth/capacity.
+    Exit code 3 when the container holds no job.
 
     With --json: the snapshot as one object (see docs/operations.md).
     """
@@ -189,21 +191,28 @@ def status_lines(snap: JobSnapshot) -> list[str]:
         out.append("no worker has published a status yet")
     if snap.shards:
         out.append("")
-        header = ["SHARD", "STATE", "APPLIED", "QUEUE", "LAG", "P50", "P99", "DLQ"]
+        header = ["SHARD", "STATE", "ARRIVED", "TAKEN", "APPLIED", "QUEUE", "LAG", "P50", "P99"]
+        header.append("DLQ")
+        dropped = any(s.dropped_stale for s in snap.shards)  # synchronous training
+        if dropped:
+            header.append("DROPPED")
         rows = [
             [
                 str(s.shard),
                 s.state,
+                f"{s.arrived:,}",
+                f"{s.taken:,}",
                 f"{s.applied:,}",
                 "-" if s.queue is None else fmt_depth(s.queue.size, s.queue.capacity),
                 _p(s.lag),
                 _p(s.staleness_p50),
                 _p(s.staleness_p99),
                 str(s.dead_letters),
+                *([f"{s.dropped_stale:,}"] if dropped else []),
             ]
             for s in snap.shards
         ]
-        out += table(header, rows, {0, 2, 3, 4, 5, 6, 7})
+        out += table(header, rows, {0, *range(2, len(header))})
     if snap.queues:
         out.append("")
         header = ["QUEUE", "TYPE", "DEPTH", "CLOSED", "ENQUEUED", "DEQUEUED", "DLQ"]

@@ -267,9 +267,9 @@ def _b(n: int | None) -> str:
 @json_option
 def status_command(url: str | None, container: str, json: bool) -> None:
     """Each shard's state, lease owner and fencing token, variables owned, messages
-    applied and skipped (redeliveries), rows, dead letters, queue size, the bytes held
-    for it, and staleness p50/p99 (updates a gradient missed between its read and its
-    apply) per worker.
+    applied, skipped (redeliveries) and dropped as stale (synchronous training), rows,
+    dead letters, queue size, the bytes held for it, and staleness p50/p99 (updates a
+    gradient missed between its read and its apply) per worker.
 
     Bytes held: QUEUED, the messages waiting in its queue (in Redis); BLOCKED, the
     pushes waiting for room in the full queue (in Redis too); HELD, the messages the
@@ -291,7 +291,8 @@ def status_command(url: str | None, container: str, json: bool) -> None:
         return
     state = "finished" if finished else "running"
     click.echo(f"container {container}: global step {gs}, job {state}")
-    header = ["SHARD", "STATE", "TOKEN", "VARS", "APPLIED", "SKIPPED", "ROWS", "DLQ", "QUEUE"]
+    header = ["SHARD", "STATE", "TOKEN", "VARS", "APPLIED", "SKIPPED", "DROPPED", "ROWS", "DLQ"]
+    header.append("QUEUE")
     header += ["QUEUED", "BLOCKED", "HELD"]
     rows = [header]
     for s in statuses:
@@ -303,6 +304,7 @@ def status_command(url: str | None, container: str, json: bool) -> None:
                 str(s.variables),
                 str(s.applied),
                 str(s.skipped),
+                str(s.dropped_stale),
                 str(s.rows),
                 str(s.dead_letters),
                 _p(s.queue_size),

@@ -38,6 +38,7 @@ from qps.cli import (
     table as _table,
 )
 from qps.errors import CancelledError, DataLossError, DeadlineExceededError, NotFoundError
+from qps.ps.gradlist import ListCounts, queue_list_counts
 from qps.queues import (
     QueueStats,
     StoredElement,
@@ -80,7 +81,7 @@ def queue() -> None:
 # -- ls ---------------------------------------------------------------------------------
 
 
-async def _ls(url: str | None, container: str) -> list[QueueStats]:
+async def _ls(url: str | None, container: str) -> tuple[list[QueueStats], dict[str, ListCounts]]:
     async with connected(url) as client:
         out = []
         for name in await list_queues(client, container):
@@ -88,7 +89,21 @@ async def _ls(url: str | None, container: str) -> list[QueueStats]:
                 out.append(await queue_stats(client, name, container))
             except NotFoundError:  # deleted between the listing and now
                 continue
-        return out
+        return out, await queue_list_counts(client, container, [s.name for s in out])
+
+
+def _with_list(d: dict[str, Any], lists: dict[str, ListCounts]) -> dict[str, Any]:
+    """A queue's JSON record, with its shard's gradient list for a gradient queue."""
+    return {**d, "gradient_list": lists[d["name"]].as_dict()} if d["name"] in lists else d
+
+
+def list_note(name: str, lc: ListCounts) -> str:
+    """What a gradient queue's counters leave out: its shard's gradient list."""
+    return (
+        f"{name}: shard {lc.shard}'s gradients go on its gradient list {lc.key} (a single "
+        f"server), not this queue: {lc.pushed:,} pushed, {lc.taken:,} taken, "
+        f"{lc.waiting:,} waiting"
+    )
 
 
 @queue.command(name="ls")
@@ -99,12 +114,14 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     """List the queues of a container with their size and counters.
 
     Columns: name, type, size/capacity, whether closed, pending (blocked) enqueue and
-    dequeue calls, and the elements ever enqueued and dequeued. With --json, a list of
-    the full statistics of each queue (as `qps queue stat --json`).
+    dequeue calls, and the elements ever enqueued and dequeued. A PS gradient queue's
+    counters are its own: on a single server the gradients go on the shard's gradient
+    list, counted in a line under the table. With --json, a list of the full statistics
+    of each queue (as `qps queue stat --json`).
     """
-    stats = run_async(_ls(url, container))
+    stats, lists = run_async(_ls(url, container))
     if json:
-        _echo_json([s.as_dict() for s in stats])
+        _echo_json([_with_list(s.as_dict(), lists) for s in stats])
         return
     if not stats:
         click.echo(f"no queues in container '{container}'")
@@ -125,14 +142,17 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     ]
     for line in _table(header, rows, right={2, 4, 5, 6, 7}):
         click.echo(line)
+    for name, lc in lists.items():
+        click.echo(list_note(name, lc))
 
 
 # -- stat --------------------------------------------------------------------------------
 
 
-async def _stat(url: str | None, container: str, name: str) -> QueueStats:
+async def _stat(url: str | None, container: str, name: str) -> tuple[QueueStats, ListCounts | None]:
     async with connected(url) as client:
-        return await queue_stats(client, name, container)
+        s = await queue_stats(client, name, container)
+        return s, (await queue_list_counts(client, container, [name])).get(name)
 
 
 def stat_lines(s: QueueStats) -> list[str]:
@@ -175,15 +195,18 @@ def stat_command(name: str, url: str | None, container: str, json: bool) -> None
     Its spec (type, dtypes, shapes, names, capacity; min_after_dequeue and seed for a
     RandomShuffleQueue), its size, whether it is closed, the totals enqueued and
     dequeued, blocked callers (pending enqueues/dequeues, elements held by pending
-    dequeues, a close waiting behind enqueues) and undecodable elements set aside.
-    Exits with 3 if there is no such queue.
+    dequeues, a close waiting behind enqueues) and undecodable elements set aside; for
+    a PS gradient queue on a single server, its shard's gradient list ("gradient_list"
+    in --json). Exits with 3 if there is no such queue.
     """
-    s = run_async(_stat(url, container, name))
+    s, lc = run_async(_stat(url, container, name))
     if json:
-        _echo_json(s.as_dict())
+        _echo_json(_with_list(s.as_dict(), {} if lc is None else {name: lc}))
         return
     for line in stat_lines(s):
         click.echo(line)
+    if lc is not None:
+        click.echo(list_note(name, lc))
 
 
 # -- peek --------------------------------------------------------------------------------

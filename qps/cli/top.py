@@ -142,33 +142,44 @@ def _workers(snap: JobSnapshot, r: Rates | None) -> RenderableType:
 
 
 def _shards(snap: JobSnapshot, r: Rates | None, bar_width: int) -> RenderableType | None:
+    """The shards' table. Compact (a narrow terminal): without the APPLIED total and
+    the depth bar (the queues' table draws it), so that both message rates fit."""
     if not snap.shards:
         return None
     t = _table("PS shards")
-    for name, right in [
+    compact = bar_width < BAR_WIDTH
+    columns = [
         ("SHARD", True),
         ("STATE", False),
-        ("APPLIED", True),
-        ("APPL/S" if bar_width < BAR_WIDTH else "APPLIES/S", True),
+        ("IN/S" if compact else "ARRIVED/S", True),
+        ("OUT/S" if compact else "TAKEN/S", True),
+        *([] if compact else [("APPLIED", True)]),
+        ("APPL/S" if compact else "APPLIES/S", True),
         ("LAG", True),
         ("QUEUE", True),
-        ("", False),
+        *([] if compact else [("", False)]),
         ("P50", True),
         ("P99", True),
         ("DLQ", True),
-    ]:
+    ]
+    for name, right in columns:
         t.add_column(name, justify="right" if right else "left", no_wrap=True)
     for s in snap.shards:
         rate = None if r is None else r.shard_applies_per_s.get(s.shard)
+        arrived = None if r is None else r.shard_arrivals_per_s.get(s.shard)
+        taken = None if r is None else r.shard_takes_per_s.get(s.shard)
         q = s.queue
+        depth = Text("") if q is None else bar(q.size, q.capacity, bar_width)
         t.add_row(
             str(s.shard),
             Text(s.state, _state_style(s.state)),
-            f"{s.applied:,}",
+            fmt_rate(arrived),
+            fmt_rate(taken),
+            *([] if compact else [f"{s.applied:,}"]),
             fmt_rate(rate),
             _p(s.lag),
             "-" if q is None else fmt_depth(q.size, q.capacity),
-            Text("") if q is None else bar(q.size, q.capacity, bar_width),
+            *([] if compact else [depth]),
             _p(s.staleness_p50),
             _p(s.staleness_p99),
             Text(str(s.dead_letters), "bold red" if s.dead_letters else ""),
@@ -179,6 +190,12 @@ def _shards(snap: JobSnapshot, r: Rates | None, bar_width: int) -> RenderableTyp
 def _queues(snap: JobSnapshot, r: Rates | None, compact: bool) -> RenderableType | None:
     rows: list[QueueRow] = [s.queue for s in snap.shards if s.queue is not None]
     rows += snap.queues
+    # a shard's gradient list, where its workers pushed (a single server): a row of its own
+    lists = {
+        s.queue.name: s.list
+        for s in snap.shards
+        if s.queue is not None and s.list is not None and (s.list.pushed or s.list.waiting)
+    }
     if not rows:
         return None
     t = _table("queues")
@@ -195,6 +212,7 @@ def _queues(snap: JobSnapshot, r: Rates | None, compact: bool) -> RenderableType
         t.add_column(name, justify="right" if right else "left", no_wrap=True)
     for q in rows:
         rate = None if r is None else r.queue_dequeues_per_s.get(q.name)
+        lst = lists.get(q.name)
         t.add_row(
             q.name,
             q.type.removesuffix("Queue") if compact else q.type,
@@ -205,6 +223,18 @@ def _queues(snap: JobSnapshot, r: Rates | None, compact: bool) -> RenderableType
             "yes" if q.closed else "no",
             Text(str(q.dead_letters), "bold red" if q.dead_letters else ""),
         )
+        if lst is not None:  # the shard's other channel, right under its queue
+            rate = None if r is None else r.list_takes_per_s.get(lst.name)
+            t.add_row(
+                lst.name,
+                "list",
+                fmt_depth(lst.waiting, -1),
+                bar(lst.waiting, -1, 8 if compact else BAR_WIDTH),
+                fmt_rate(rate),
+                "-",
+                "-",
+                "-",
+            )
     return t
 
 

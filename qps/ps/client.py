@@ -418,6 +418,7 @@ class PSClient:
             if self._unsettled.get(shard, 0) >= self._capacity:
                 await self._wait_credit(shard, credits)
             lead.append(("LPOP", credits, self._capacity))
+        lead.append(gl.count_command())  # for the status commands: no reply looked at
         replies = None
         if blocking and then:  # on a connection of its own: the token's wait blocks
             replies = await self.client.write_commands([*lead, *then])
@@ -440,7 +441,10 @@ class PSClient:
         still waiting (nothing was sent); False if the shard took it already (it is
         applied as it drains its list: the push counts as sent)."""
         with map_errors():
-            return bool(await self.client.commands.lrem(gl.key, 1, payload))  # type: ignore[arg-type]
+            if not await self.client.commands.lrem(gl.key, 1, payload):  # type: ignore[arg-type]
+                return False
+        await self.client.run_commands([gl.count_command(-1)])  # it was counted pushed
+        return True
 
     async def _wait_credit(self, shard: int, key: str) -> None:
         """Block until shard ``shard`` gives this client a credit back (it settled one

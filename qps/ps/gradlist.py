@@ -23,6 +23,12 @@ to the shard, and a plain Redis list gives that with one command each way (docs/
 * the pops and tombstones run in a script that checks the shard's lease still holds
   its token: an owner that lost the lease cannot pop what a successor depends on.
 
+The list's traffic is counted in the shard's stats hash, for the status commands (a
+queue counts its own, ``enq``/``deq``): a worker's push adds one to ``list_pushed`` in
+its round trip (a ``HINCRBY`` after the ``RPUSH``, same slot), and the shard adds what it
+took to ``list_taken`` with the stats it writes after each group's ack (and each lease
+renewal). :func:`list_counts` reads them with the list's length.
+
 ``mark_finished`` pushes an empty element (never a message) to wake a shard blocked on
 the list.
 
@@ -45,6 +51,7 @@ moves in chunks.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,12 +62,19 @@ from qps.transport import Client, is_noscript, map_errors
 
 __all__ = [
     "LIST_MAX_BYTES",
+    "PUSHED",
+    "TAKEN",
     "WAKE",
     "GradientList",
+    "ListCounts",
     "credit_key",
     "gradient_list_key",
+    "gradient_queue_shard",
     "is_list_delivery",
     "list_bytes",
+    "list_counts",
+    "queue_list_counts",
+    "stats_key",
 ]
 
 #: the largest message pushed onto the list; a larger one goes through the gradient
@@ -71,6 +85,11 @@ LIST_MAX_BYTES = 1 << 20
 FOLLOW_SECONDS = 0.1
 #: the element ``mark_finished`` pushes to wake a blocked shard (a message never is empty)
 WAKE = b""
+#: the shard's stats hash fields that count the list's traffic: messages pushed onto it
+#: (by the workers, one ``HINCRBY`` in each push's round trip) and taken from it (by the
+#: shard, redeliveries after a restart included, with the stats it writes after an ack)
+PUSHED = "list_pushed"
+TAKEN = "list_taken"
 #: what an element acknowledged out of order is overwritten with inside a processing list
 TOMBSTONE = b"\x00"
 #: a delivery of the list carries one token: this prefix and its sequence number
@@ -134,6 +153,64 @@ async def list_bytes(client: Client, container: str, shard: int) -> int:
         return int(await script(keys=[gradient_list_key(container, shard)]))
 
 
+def stats_key(container: str, shard: int) -> str:
+    """Shard ``shard``'s stats hash (its counters; the list's are :data:`PUSHED` and
+    :data:`TAKEN`)."""
+    return keys.ps_prefix(container, shard) + "stats"
+
+
+@dataclass(frozen=True)
+class ListCounts:
+    """Shard ``shard``'s gradient list: messages ever ``pushed`` onto it, ``taken`` from
+    it by the shard (a message given back by a shard that stopped and taken again counts
+    again), and ``waiting`` in it now."""
+
+    shard: int
+    key: str
+    pushed: int
+    taken: int
+    waiting: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "key": self.key,
+            "pushed": self.pushed,
+            "taken": self.taken,
+            "waiting": self.waiting,
+        }
+
+
+async def list_counts(client: Client, container: str, shard: int) -> ListCounts:
+    """Read shard ``shard``'s :class:`ListCounts` (one round trip)."""
+    key = gradient_list_key(container, shard)
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hmget(stats_key(container, shard), [PUSHED, TAKEN])
+        pipe.llen(key)
+        (pushed, taken), waiting = await pipe.execute()
+    return ListCounts(shard, key, int(pushed or 0), int(taken or 0), int(waiting))
+
+
+def gradient_queue_shard(name: str) -> int | None:
+    """The shard whose gradient queue is named ``name`` (``ps/<i>/grads``), else None."""
+    head, _, tail = name.partition("/")
+    index, _, rest = tail.partition("/")
+    ok = head == "ps" and rest == "grads" and index.isdigit()
+    return int(index) if ok and keys.ps_gradient_queue(int(index)) == name else None
+
+
+async def queue_list_counts(
+    client: Client, container: str, names: Sequence[str]
+) -> dict[str, ListCounts]:
+    """For each gradient queue among queue ``names``, its shard's :class:`ListCounts`
+    (none on a cluster: the workers push onto the queue there)."""
+    if client.cluster:
+        return {}
+    shards = {n: i for n in names if (i := gradient_queue_shard(n)) is not None}
+    return {n: await list_counts(client, container, i) for n, i in shards.items()}
+
+
 def gradient_list_key(container: str, shard: int) -> str:
     """The list of shard ``shard``'s pushed gradient messages."""
     return keys.ps_prefix(container, shard) + "glist"
@@ -170,6 +247,7 @@ class GradientList:
     def __init__(self, client: Client, container: str, shard: int) -> None:
         self.client = client
         self.key = gradient_list_key(container, shard)
+        self.stats = stats_key(container, shard)
         self.procs = self.key + ":procs"
         self.proc: str | None = None  # this owner's processing list, once opened
         self._give_back_script = client.commands.register_script(_GIVE_BACK)
@@ -186,6 +264,11 @@ class GradientList:
     def push_command(self, payload: Any) -> tuple[Any, ...]:
         """The command that pushes one encoded message (bytes or a buffer)."""
         return ("RPUSH", self.key, payload)
+
+    def count_command(self, n: int = 1) -> tuple[Any, ...]:
+        """The command that counts ``n`` messages pushed (sent with the push; -1 for
+        one taken back)."""
+        return ("HINCRBY", self.stats, PUSHED, n)
 
     # -- the shard's side ----------------------------------------------------------------
     async def open(self, token: int, lease_key: str) -> int:

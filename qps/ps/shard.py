@@ -78,7 +78,13 @@ from qps.errors import (
 from qps.optimizers import Adam, Optimizer
 from qps.owners import default_owner, owner_is_dead
 from qps.ps import control
-from qps.ps.gradlist import POP_FRONT_LUA, GradientList, credit_commands, is_list_delivery
+from qps.ps.gradlist import (
+    POP_FRONT_LUA,
+    TAKEN,
+    GradientList,
+    credit_commands,
+    is_list_delivery,
+)
 from qps.ps.groups import (
     _Accum,
     _deliveries,
@@ -365,6 +371,9 @@ class Shard:
         #: asynchronous training: the worker of each delivery taken from the list (by
         #: its tokens), who gets a credit back when it is settled
         self._senders: dict[tuple[str, ...], str] = {}
+        #: messages taken from the list and not yet added to the stats hash's count
+        #: (gradlist.TAKEN): they go with the next stats write, after an ack or a renewal
+        self._list_taken = 0
         self._lease_script = client.commands.register_script(_LEASE)
         self._step_script = client.commands.register_script(_COUNT_STEPS)
         self._tokens_script = client.commands.register_script(_TOKENS_IF_COMMITTED)
@@ -874,6 +883,7 @@ class Shard:
         """Hold a delivery of the gradient list, decode it into the inbox; its bytes.
         Asynchronous training records who sent it, for its credit."""
         self._held.append(d)
+        self._list_taken += 1
         item = self._item(d, d.value, False)
         self._sizes[d.tokens] = item.nbytes
         if self.sync is None:
@@ -1668,6 +1678,8 @@ class Shard:
             incr[k] = incr.get(k, 0) + 1
         if g.fresh or g.skipped:
             incr["groups"] = 1
+        if self._list_taken:  # what the reader took meanwhile (one field, same write)
+            incr[TAKEN], self._list_taken = self._list_taken, 0
         stats = self._prefix + "stats"
         commands: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
         now_ms = int(time.time() * 1000)
@@ -1774,6 +1786,9 @@ class Shard:
         self.metrics.sampled(depth, int(dead))
 
     async def _stats(self, fields: dict[str, Any], incr: dict[str, int]) -> None:
+        taken, self._list_taken = self._list_taken, 0
+        if taken:
+            incr = {**incr, TAKEN: taken}
         try:
             with map_errors():
                 pipe = self.client.commands.pipeline(transaction=False)
@@ -1783,6 +1798,7 @@ class Shard:
                     pipe.hincrby(self._prefix + "stats", k, v)
                 await pipe.execute()
         except QpsError as exc:
+            self._list_taken += taken  # counted with the next write
             self.log.warning("could not write stats: %s", exc)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from qps import keys
 from qps.errors import QpsError
-from qps.ps.gradlist import gradient_list_key, list_bytes
+from qps.ps.gradlist import PUSHED, TAKEN, gradient_list_key, list_bytes
 from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
 
@@ -66,7 +66,9 @@ class ShardStatus:
         owner, token: the lease holder (None when no live lease) and its fencing token.
         applied: messages applied; ``skipped``: redeliveries found already applied;
             ``rows``: rows updated; ``bytes``: gradient bytes applied;
-            ``dead_letters``: messages refused (see the shard's dead-letter list).
+            ``dead_letters``: messages refused (see the shard's dead-letter list);
+            ``dropped_stale``: stale gradients dropped (synchronous training: a gradient
+            for an update the shard had already made).
         variables: variables the shard owns.
         queue_size: messages waiting in its gradient queue and gradient list.
         staleness: worker -> bucketed histogram {staleness: messages}.
@@ -77,6 +79,10 @@ class ShardStatus:
         held_bytes: bytes of the messages the shard process holds: read ahead and in
             the group it applies (as it last published them: with each group's counters
             and each lease renewal; 0 once it stopped).
+        list_size: messages waiting in its gradient list (None on a cluster, which has
+            none); ``list_pushed`` / ``list_taken``: messages ever pushed onto it / taken
+            from it by the shard (qps.ps.gradlist: on a single server the workers push
+            there, not onto the gradient queue).
     """
 
     shard: int
@@ -95,6 +101,10 @@ class ShardStatus:
     queue_bytes: int | None = None
     pending_bytes: int | None = None
     held_bytes: int = 0
+    dropped_stale: int = 0
+    list_size: int | None = None
+    list_pushed: int = 0
+    list_taken: int = 0
 
     def percentiles(self) -> dict[str, dict[str, int | None]]:
         """worker -> {"p50", "p99", "messages"} (and ``"*"`` for all workers)."""
@@ -127,11 +137,15 @@ class ShardStatus:
             "rows": self.rows,
             "bytes": self.bytes,
             "dead_letters": self.dead_letters,
+            "dropped_stale": self.dropped_stale,
             "variables": self.variables,
             "queue_size": self.queue_size,
             "queue_bytes": self.queue_bytes,
             "pending_bytes": self.pending_bytes,
             "held_bytes": self.held_bytes,
+            "list": None
+            if self.list_size is None
+            else {"size": self.list_size, "pushed": self.list_pushed, "taken": self.list_taken},
             "staleness": self.percentiles(),
             "pid": self.fields.get("pid"),
             "host": self.fields.get("host"),
@@ -160,13 +174,16 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
     if lease is not None:
         tok, _, owner = _text(lease).partition(" ")
         token = int(tok) if tok.isdigit() else None
+    lsize: int | None = None
+    if not client.cluster:  # a single server: its gradient list
+        with map_errors():
+            lsize = int(await client.commands.llen(gradient_list_key(container, shard)))
     try:
         qsize: int | None = (
             await queue_stats(client, keys.ps_gradient_queue(shard), container)
         ).size
-        if qsize is not None and not client.cluster:  # and those in its gradient list
-            with map_errors():
-                qsize += int(await client.commands.llen(gradient_list_key(container, shard)))
+        if qsize is not None and lsize is not None:  # and those in its gradient list
+            qsize += lsize
     except Exception:
         qsize = None
     qbytes: int | None = None
@@ -200,4 +217,8 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         queue_bytes=qbytes,
         pending_bytes=pbytes,
         held_bytes=int(f.get("held_bytes", 0)),
+        dropped_stale=int(f.get("dropped_stale", 0)),
+        list_size=lsize,
+        list_pushed=int(f.get(PUSHED, 0)),
+        list_taken=int(f.get(TAKEN, 0)),
     )
