@@ -1,5 +1,7 @@
 """``qps job``: look at a whole training job, and stop it.
 
+* ``qps job ls``: the jobs on the server (:mod:`workers.joblist`): state, shards running,
+  workers reporting, global step, start, test metric.
 * ``qps job status``: one snapshot (:func:`workers.monitor.snapshot`): the PS config,
   finished or not, the global step, a row per worker, per shard and per other queue.
 * ``qps job stop``: ask every worker to stop after the step in hand
@@ -7,22 +9,26 @@
   (:func:`qps.ps.control.mark_finished`: the shards drain their queues and exit 0);
   with ``--timeout``, wait until every worker is done.
 
-``qps top`` (:mod:`qps.cli.top`) shows the same snapshot live.
+``qps top`` (:mod:`qps.cli.top`) shows the same snapshot live. Without ``--container``
+(and ``QPS_CONTAINER``), these commands take the only job on the server that is not
+finished (:func:`job_container`), or list the candidates and exit 2.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
+from qps import keys
 from qps.cli import (
     EXIT_FAILURE,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
     CliError,
     connected,
-    container_option,
     echo_json,
     interactive,
     json_option,
@@ -31,13 +37,79 @@ from qps.cli import (
     url_option,
     yes_option,
 )
-from qps.errors import NotFoundError
+from qps.errors import NotFoundError, QpsError
 from qps.ps import control
 from qps.transport import Client
 from workers import job as job_marks
+from workers.joblist import JobSummary, list_jobs, unfinished
 from workers.monitor import WAIT_STATES, JobSnapshot, snapshot, wait_for
 
-__all__ = ["fmt_age", "fmt_depth", "fmt_loss", "fmt_metric", "fmt_opt", "fmt_rate", "job"]
+__all__ = [
+    "fmt_age",
+    "fmt_depth",
+    "fmt_loss",
+    "fmt_metric",
+    "fmt_opt",
+    "fmt_rate",
+    "job",
+    "job_container",
+    "job_container_option",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# -- which job -------------------------------------------------------------------------------
+
+
+def _check_job_container(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
+    try:
+        return None if value is None else keys.check_container(value)
+    except QpsError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+def job_container_option(f: F) -> F:
+    """``--container`` (env ``QPS_CONTAINER``) of the job commands: without it, the only
+    job on the server that is not finished (:func:`job_container`)."""
+    return click.option(
+        "--container",
+        envvar="QPS_CONTAINER",
+        show_envvar=True,
+        default=None,
+        callback=_check_job_container,
+        help="The job's resource container. Default: the only job on the server that is "
+        "not finished (see `qps job ls`); with several, or none, exit code 2.",
+    )(f)
+
+
+def _brief(j: JobSummary) -> str:
+    return f"{j.container} ({j.state}, global step {j.global_step:,})"
+
+
+async def job_container(client: Client, container: str | None) -> str:
+    """``container`` itself if given; else the container of the only job on the server
+    that is not finished.
+
+    Raises:
+        CliError: (exit code 2) no such job, or several: the message lists them.
+    """
+    if container is not None:
+        return container
+    jobs = await list_jobs(client)
+    live = unfinished(jobs)
+    if len(live) == 1:
+        return live[0].container
+    hint = "name one with --container (or QPS_CONTAINER)"
+    if live:
+        listed = ", ".join(_brief(j) for j in live)
+        raise CliError(
+            f"{len(live)} jobs on the server are not finished: {listed}; {hint}", EXIT_USAGE
+        )
+    done = f" (finished: {', '.join(j.container for j in jobs)})" if jobs else ""
+    raise CliError(f"no job on the server that is not finished{done}; {hint}", EXIT_USAGE)
 
 
 def fmt_loss(v: float | None) -> str:
@@ -79,9 +151,9 @@ def _p(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
-async def _snapshot(url: str | None, container: str) -> JobSnapshot:
+async def _snapshot(url: str | None, container: str | None) -> JobSnapshot:
     async with connected(url) as client:
-        return await snapshot(client, container)
+        return await snapshot(client, await job_container(client, container))
 
 
 @click.group(name="job")
@@ -89,16 +161,68 @@ def job() -> None:
     """Look at a whole training job (PS shards, workers, queues) or stop it.
 
     \b
-    Subcommands: status, wait, stop (see `qps job COMMAND --help`); `qps top` shows
-    the status live.
+    Subcommands: ls, status, wait, stop (see `qps job COMMAND --help`); `qps top`
+    shows the status live. Without --container, a command takes the only job on the
+    server that is not finished.
     """
+
+
+async def _ls(url: str | None) -> list[JobSummary]:
+    async with connected(url) as client:
+        return await list_jobs(client)
+
+
+def _started(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def ls_lines(jobs: list[JobSummary]) -> list[str]:
+    """The text of ``qps job ls``."""
+    if not jobs:
+        return ["no training job on the server"]
+    header = ["CONTAINER", "STATE", "SHARDS", "WORKERS", "DONE", "STEP", "STARTED", "TEST"]
+    rows = [
+        [
+            j.container,
+            j.state,
+            "-" if j.num_shards is None else f"{j.shards_running}/{j.num_shards}",
+            f"{j.workers_reporting}" + ("" if j.num_workers is None else f"/{j.num_workers}"),
+            str(j.workers_done),
+            f"{j.global_step:,}",
+            _started(j.started),
+            "-" if j.test_value is None else f"{fmt_metric(j.test_metric)} {j.test_value:.4f}",
+        ]
+        for j in jobs
+    ]
+    return table(header, rows, {2, 3, 4, 5})
+
+
+@job.command(name="ls")
+@url_option()
+@json_option
+def ls_command(url: str | None, json: bool) -> None:
+    """The training jobs on the server (every registered container that holds a PS
+    config, a ready mark or a worker status; see `qps container ls`): container, state,
+    PS shards running / configured, workers reporting a status / expected and those
+    done, the global step, when it started (local time) and the chief's test metric.
+
+    With --json: a list of {"container", "state", "num_shards", "shards_running",
+    "num_workers", "workers_reporting", "workers_done", "global_step", "started"
+    (Unix seconds), "test_metric", "test_value"}.
+    """
+    jobs = run_async(_ls(url))
+    if json:
+        echo_json([j.as_dict() for j in jobs])
+        return
+    for line in ls_lines(jobs):
+        click.echo(line)
 
 
 @job.command(name="status")
 @url_option()
-@container_option
+@job_container_option
 @json_option
-def status_command(url: str | None, container: str, json: bool) -> None:
+def status_command(url: str | None, container: str | None, json: bool) -> None:
     """One snapshot of the job in the container: the PS config (shards, optimizer),
     its state (starting, running, done, stopping, finished), the global step; per
     worker: state, steps, examples, last loss, examples/s and the age of its status;
@@ -118,14 +242,16 @@ def status_command(url: str | None, container: str, json: bool) -> None:
         click.echo(line)
 
 
-async def _wait(url: str | None, container: str, state: str, timeout: float | None) -> JobSnapshot:
+async def _wait(
+    url: str | None, container: str | None, state: str, timeout: float | None
+) -> JobSnapshot:
     async with connected(url) as client:
-        return await wait_for(client, container, state, timeout)
+        return await wait_for(client, await job_container(client, container), state, timeout)
 
 
 @job.command(name="wait")
 @url_option()
-@container_option
+@job_container_option
 @click.option(
     "--for",
     "state",
@@ -143,7 +269,7 @@ async def _wait(url: str | None, container: str, state: str, timeout: float | No
     metavar="SECONDS",
     help="Give up after this long (exit code 4). Default: wait as long as it takes.",
 )
-def wait_command(url: str | None, container: str, state: str, timeout: float | None) -> None:
+def wait_command(url: str | None, container: str | None, state: str, timeout: float | None) -> None:
     """Wait until the job in the container comes to a state (or past it: a job that
     finished has been running), then print one line: its state and global step. A
     container with no job yet is waited for too. For scripts: start the roles, `qps
@@ -151,7 +277,7 @@ def wait_command(url: str | None, container: str, state: str, timeout: float | N
     """
     snap = run_async(_wait(url, container, state, timeout))
     click.echo(
-        f"container {container}: job {snap.state}, global step {snap.global_step:,}, "
+        f"container {snap.container}: job {snap.state}, global step {snap.global_step:,}, "
         f"{len(snap.workers)} worker(s), {len(snap.shards)} PS shard(s)"
     )
 
@@ -267,16 +393,17 @@ async def _stop(
 
 
 async def _stop_main(
-    url: str | None, container: str, yes: bool, timeout: float | None
+    url: str | None, container: str | None, yes: bool, timeout: float | None
 ) -> tuple[int, list[str], JobSnapshot]:
     async with connected(url) as client:
+        container = await job_container(client, container)
         closed, done = await _stop(client, container, yes, timeout)
         return closed, done, await snapshot(client, container)
 
 
 @job.command(name="stop")
 @url_option()
-@container_option
+@job_container_option
 @yes_option
 @click.option(
     "--timeout",
@@ -285,7 +412,7 @@ async def _stop_main(
     metavar="SECONDS",
     help="Wait up to this long until every worker is done (exit code 4 if not).",
 )
-def stop_command(url: str | None, container: str, yes: bool, timeout: float | None) -> None:
+def stop_command(url: str | None, container: str | None, yes: bool, timeout: float | None) -> None:
     """Stop the job in the container: every worker stops after the step in hand,
     records itself done and exits 0; the PS job is marked finished, so the shards apply
     what their queues hold and exit 0 (a push after that fails, which ends a worker at
@@ -297,7 +424,7 @@ def stop_command(url: str | None, container: str, yes: bool, timeout: float | No
     """
     closed, done, snap = run_async(_stop_main(url, container, yes, timeout))
     click.echo(
-        f"stop requested for the job in container '{container}'"
+        f"stop requested for the job in container '{snap.container}'"
         + (f"; PS job marked finished ({closed} gradient queue(s) closed)" if closed else "")
     )
     if timeout is None:

@@ -29,13 +29,21 @@ from qps.cli import (
     EXIT_USAGE,
     CliError,
     connected,
-    container_option,
     echo_json,
     json_option,
     run_async,
     url_option,
 )
-from qps.cli.job import fmt_age, fmt_depth, fmt_loss, fmt_metric, fmt_opt, fmt_rate
+from qps.cli.job import (
+    fmt_age,
+    fmt_depth,
+    fmt_loss,
+    fmt_metric,
+    fmt_opt,
+    fmt_rate,
+    job_container,
+    job_container_option,
+)
 from qps.errors import NotFoundError, QpsError
 from qps.transport import Client
 from workers.monitor import JobSnapshot, QueueRow, Rates, rates, snapshot
@@ -267,8 +275,11 @@ def render(
     return Group(*parts)
 
 
-async def _once(url: str | None, container: str, interval: float) -> tuple[JobSnapshot, Rates]:
+async def _once(
+    url: str | None, container: str | None, interval: float
+) -> tuple[JobSnapshot, Rates]:
     async with connected(url) as client:
+        container = await job_container(client, container)
         first = await snapshot(client, container)
         await asyncio.sleep(interval)
         second = await snapshot(client, container)
@@ -308,13 +319,14 @@ class _Dashboard:
         return self.console.size.width  # read each frame: the terminal may be resized
 
 
-async def _live(url: str | None, container: str, interval: float) -> None:
+async def _live(url: str | None, container: str | None, interval: float) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         async with connected(url) as client:
+            container = await job_container(client, container)
             console = Console()
             board = _Dashboard(client, container, interval, console)
             with Live(
@@ -331,7 +343,7 @@ async def _live(url: str | None, container: str, interval: float) -> None:
 
 @click.command(name="top")
 @url_option()
-@container_option
+@job_container_option
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.05),
@@ -347,13 +359,13 @@ async def _live(url: str | None, container: str, interval: float) -> None:
     help="Print one frame (rates over --interval) and exit; exit code 3 without a job.",
 )
 @json_option
-def top(url: str | None, container: str, interval: float, once: bool, json: bool) -> None:
+def top(url: str | None, container: str | None, interval: float, once: bool, json: bool) -> None:
     """A live dashboard of the training job in the container, refreshed from Redis
     every --interval seconds: the global step and steps/s; per worker its steps/s,
     examples/s, last loss, staleness p50/p99 and the age of its status; per PS shard its
     applies/s, lag (messages waiting), gradient queue and dead letters; every queue's
     depth/capacity with a bar. It waits for a job that has not started yet. Ctrl-C
-    exits 0.
+    exits 0. Without --container: the only job on the server that is not finished.
 
     With --once --json: one snapshot with a "rates" object, for scripts (see
     docs/operations.md).
