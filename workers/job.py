@@ -24,6 +24,7 @@ from qps.transport import Client, map_errors
 __all__ = [
     "WAKE_SECONDS",
     "claim_index",
+    "clear_done",
     "finish_worker",
     "finished_workers",
     "is_ready",
@@ -187,6 +188,13 @@ async def finished_workers(client: Client, container: str) -> set[str]:
     with map_errors():
         got = await client.commands.smembers(_key(container, "done"))
     return {m.decode() if isinstance(m, bytes) else str(m) for m in got}
+
+
+async def clear_done(client: Client, container: str) -> None:
+    """Forget which workers finished: a job resumed by a new launcher runs them all
+    again (an earlier run stopped by Ctrl-C had recorded them done)."""
+    with map_errors():
+        await client.commands.delete(_key(container, "done"))
 
 
 def worker_names(statuses: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -50,11 +50,11 @@ from qps import checkpoint, keys, wire
 from qps.errors import InvalidArgumentError
 from qps.optimizers import make_optimizer
 from qps.ps import control
-from workers import job
+from workers import job, lifecycle
 from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
 from workers.models.base import Model
-from workers.worker import WorkerConfig, evaluate_params, latest_checkpoint
+from workers.worker import WorkerConfig, evaluate_params
 
 __all__ = ["JobResult", "TrainConfig", "check_data", "check_model", "run_job"]
 
@@ -276,6 +276,8 @@ class JobResult:
     stopped: str = ""
     restored_from: str | None = None  # the checkpoint the job started from
     restored_step: int | None = None
+    resumed_from: str | None = None  # "redis" or "checkpoint": a rerun went on from it
+    resumed_step: int | None = None
 
     @property
     def examples_per_second(self) -> float:
@@ -299,6 +301,8 @@ class JobResult:
             "stopped": self.stopped,
             "restored_from": self.restored_from,
             "restored_step": self.restored_step,
+            "resumed_from": self.resumed_from,
+            "resumed_step": self.resumed_step,
         }
 
 
@@ -404,13 +408,24 @@ async def run_job(
     stop = stop or asyncio.Event()
     start = time.monotonic()
     try:
-        async with await qps.connect(url) as client:
+        async with (
+            await qps.connect(url) as client,
+            lifecycle.LauncherLease(client, container) as lease,
+        ):
             optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
-            path = latest_checkpoint(cfg.checkpoint_dir)
-            if path is not None:  # before any role writes: the container must be empty
-                info = await checkpoint.restore(client, path, container=container)
-                result.restored_from, result.restored_step = str(path), info.global_step
-                emit(f"qps train: restored {path} (global step {info.global_step})")
+            # before any role writes: a job left unfinished goes on from Redis or from
+            # a newer checkpoint; a finished one is refused
+            plan = await lifecycle.plan_resume(client, container, cfg.checkpoint_dir)
+            if plan.line:
+                emit(plan.line)
+            if plan.source != "fresh":
+                result.resumed_from, result.resumed_step = plan.source, plan.global_step
+            if plan.checkpoint is not None:
+                info = await checkpoint.restore(
+                    client, plan.checkpoint, container=container, overwrite=plan.overwrite
+                )
+                result.restored_from, result.restored_step = str(plan.checkpoint), info.global_step
+                await lease.reassert()  # a restore over the container reset it
             sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
             most = None
             if cfg.max_message_mib is not None:

@@ -204,9 +204,18 @@ class TrainCommand(click.Command):
 @click.option(
     "--container",
     default=None,
-    help="The job's container (default: a fresh train-<time>-<random> one).",
+    help="The job's container (default: a fresh train-<time>-<random> one). Run again "
+    "after a crash or Ctrl-C, the same command resumes the job, from Redis or from the "
+    "newest checkpoint, whichever is newer; a container whose job finished, or that "
+    "another qps train is running, is refused.",
 )
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The chief restores the newest checkpoint here (when it is newer than what "
+    "the container holds) and saves checkpoints here with --checkpoint-every.",
+)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=None)
 @click.option("--log-every", type=click.IntRange(min=1), default=None)
 @click.option(

@@ -1,0 +1,173 @@
+"""A `qps train` job across runs of its launcher (workers/lifecycle.py): a rerun after a
+crash resumes from Redis or from a newer checkpoint, a finished job is not reused, a
+second launcher is refused while the first runs, old checkpoints are deleted, the
+workers stop at --until-global-step, Ctrl-C reports the chief's metric, and the
+printed command reaches the running job."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qps
+from qps import checkpoint, transport
+from qps.errors import FailedPreconditionError
+from qps.ps import control
+from tests.conftest import until
+from tests.test_train import REPO, _container, _processes_of, _train, _wait_for_line
+from workers import lifecycle
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _qps(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("QPS_REDIS_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "qps.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+# -- the launcher's lease (in process) --------------------------------------------------
+
+
+async def _holder(client: transport.Client, container: str, record: dict[str, object]) -> None:
+    await client.commands.set(lifecycle.lease_key(container), json.dumps(record))
+
+
+async def test_a_live_launcher_elsewhere_is_named_and_refused(client: transport.Client) -> None:
+    await _holder(client, "jobx", {"owner": "far:4242:abc:99", "host": "far", "pid": 4242})
+    with pytest.raises(FailedPreconditionError, match=r"in use by .*host far, pid 4242"):
+        await lifecycle.LauncherLease(client, "jobx").acquire()
+
+
+async def test_a_live_launcher_here_is_refused_a_dead_one_is_taken_over(
+    client: transport.Client,
+) -> None:
+    here = lifecycle.LauncherLease(client, "jobx").record
+    alive = {**here, "pid": os.getppid(), "owner": f"{here['owner']}".replace(
+        f":{os.getpid()}:", f":{os.getppid()}:")}  # fmt: skip
+    await _holder(client, "jobx", alive)
+    with pytest.raises(FailedPreconditionError, match=f"pid {os.getppid()},"):
+        await lifecycle.LauncherLease(client, "jobx").acquire()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this host that no longer exists
+    dead = {**alive, "pid": gone.pid, "owner": alive["owner"].replace(  # type: ignore[attr-defined]
+        f":{os.getppid()}:", f":{gone.pid}:")}  # fmt: skip
+    await _holder(client, "jobx", dead)
+    lease = lifecycle.LauncherLease(client, "jobx")
+    assert json.loads(await lease.acquire() or "{}")["pid"] == gone.pid
+    raw = await client.commands.get(lifecycle.lease_key("jobx"))
+    assert json.loads(raw)["pid"] == os.getpid()
+    await lifecycle.LauncherLease(client, "jobx").release()  # not its lease: kept
+    assert await client.commands.exists(lifecycle.lease_key("jobx"))
+    await lease.release()
+    assert not await client.commands.exists(lifecycle.lease_key("jobx"))
+
+
+# -- qps train, end to end -----------------------------------------------------------------
+
+
+def _kill_everything_of(container: str) -> None:
+    """SIGKILL every process that names ``container``: the launcher and its roles (a
+    crash of the machine, or of a supervisor's whole unit)."""
+    for line in _processes_of(container):
+        pid = int(line.split(":")[0])
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(400)
+async def test_a_rerun_after_a_crash_resumes_from_redis_and_a_finished_job_is_not_reused(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """kill -9 of the launcher and every role mid-run, Redis keeping the container: the
+    identical command resumes from Redis (newer than the checkpoints), the workers go on
+    after the steps they published, and the job ends with their steps applied once. A
+    rerun of the finished job is refused."""
+    c = _container()
+    args = ["--container", c, "--ps", "1", "--workers", "2", "--steps", "3000",
+            "--log-every", "20", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "200", "--json"]  # fmt: skip
+    first = _train(*args, url=redis_url)
+    try:
+        _wait_for_line(first, "worker1: step 300,")
+    finally:
+        _kill_everything_of(c)
+        first.wait(timeout=60)
+
+    async def all_gone() -> bool:
+        return _processes_of(c) == []
+
+    await until(all_gone, 30, "every process of the crashed job gone")
+    async with await qps.connect(redis_url) as client:
+        left = await client.commands.get(lifecycle.lease_key(c))
+        step = await control.global_step_counter(client, c).get()
+        assert not await control.is_finished(client, c)
+    newest = checkpoint.list_checkpoints(tmp_path / "ck")[-1]
+    assert 0 < newest.global_step <= step
+
+    second = _train(*args, url=redis_url)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    assert (
+        f"qps train: resuming container {c} from Redis (global step {step:,}; newest "
+        f"checkpoint {newest.path}" in err
+    ), err[-3000:]
+    assert json.loads(left or "{}").get("pid") == first.pid  # the dead launcher's lease
+    result = json.loads(out)  # did not stop the rerun
+    assert result["resumed_from"] == "redis" and result["resumed_step"] == step
+    assert result["stopped"] == "finished" and result["failed"] == {}, result
+    # both workers' 3,000 steps; the ones done after a worker's last published status
+    # (at most --log-every each) were done again
+    assert 6000 <= result["global_step"] <= 6000 + 2 * 20 + 2, result
+    assert result["test_value"] >= 0.9, result
+    assert _processes_of(c) == []
+
+    third = _train(*args, url=redis_url)
+    _, err = third.communicate(timeout=120)
+    assert third.returncode == 1, err[-3000:]
+    assert f"container '{c}' holds a job that finished" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(300)
+def test_a_second_launcher_for_a_running_container_is_refused(redis_url: str) -> None:
+    c = _container()
+    first = _train("--container", c, "--ps", "1", "--workers", "2", "--steps", "1000000",
+                   "--log-every", "20", url=redis_url)  # fmt: skip
+    try:
+        _wait_for_line(first, "worker1: step 20,")
+        second = _train("--container", c, "--ps", "1", "--workers", "2", "--steps", "10",
+                        url=redis_url)  # fmt: skip
+        try:
+            _, err = second.communicate(timeout=120)
+        finally:
+            _stop(second)
+        assert second.returncode == 1, err[-3000:]
+        line = err.strip().splitlines()[-1]
+        assert f"container '{c}' is in use by a running job" in line, err[-3000:]
+        assert f"pid {first.pid}," in line and "host " in line, line
+        assert first.poll() is None  # the first job goes on
+    finally:
+        _stop(first)
+    assert first.returncode == 130
+    assert _processes_of(c) == []

@@ -1,0 +1,279 @@
+"""A ``qps train`` job across runs of its launcher: who runs it, where a rerun resumes
+from.
+
+* **The launcher's lease** (:class:`LauncherLease`): a launcher owns its container
+  through ``qps:{C}:job:launcher``, a JSON record (owner, host, pid, start time) set
+  with ``SET NX PX`` and renewed every :data:`RENEW_SECONDS`. A second launcher for the
+  same container is refused with the holder's host and pid, unless the holder is gone:
+  a process of this host (and PID namespace) that no longer exists
+  (:func:`qps.owners.owner_is_dead`) is taken over at once; one elsewhere once its
+  lease has run out (:data:`LEASE_MS`) without renewal.
+* **Resuming** (:func:`plan_resume`): a container that holds a PS job that was never
+  marked finished (its launcher crashed, was killed, or was interrupted) is resumed
+  from whichever is newer, the state Redis kept or the newest checkpoint of the job's
+  directory; a finished one is refused, so that a rerun never silently adds a second
+  run to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qps import checkpoint, keys, owners
+from qps.containers import scan_container_keys
+from qps.errors import FailedPreconditionError, NotFoundError
+from qps.ps import control
+from qps.transport import Client, map_errors
+from workers import job
+
+__all__ = [
+    "LEASE_MS",
+    "RENEW_SECONDS",
+    "LauncherLease",
+    "ResumePlan",
+    "plan_resume",
+]
+
+log = logging.getLogger("qps.train")
+
+#: how long a launcher's lease lasts without renewal
+LEASE_MS = 15_000
+#: how often a launcher renews it
+RENEW_SECONDS = LEASE_MS / 3000.0
+
+# set the lease to ARGV[1] for ARGV[2] ms if it is free or holds ARGV[3] (a holder
+# found gone, or ours): {1, ARGV[1]}; else {0, the holder}
+_ACQUIRE = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or (ARGV[3] ~= '' and cur == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, ARGV[1]}
+end
+return {0, cur}
+"""
+# renew (ARGV[2] ms) or delete (ARGV[2] = '') the lease if it still holds ARGV[1]
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+
+def lease_key(container: str) -> str:
+    """``qps:{C}:job:launcher``: the record of the launcher that runs the job."""
+    return keys.container_prefix(keys.check_container(container)) + "job:launcher"
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def describe_holder(record: dict[str, Any], ttl_ms: int | None = None) -> str:
+    """``qps train on host H, pid P, since 06:21:03 UTC`` for a lease record."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(record.get("since", 0))))
+    what = f"{record.get('command', 'qps train')} on host {record.get('host')}, "
+    what += f"pid {record.get('pid')}, since {since}"
+    if ttl_ms is not None and ttl_ms > 0:
+        what += f"; its lease runs out {ttl_ms / 1000:.0f} s after its last renewal"
+    return what
+
+
+class LauncherLease:
+    """The lease of one launcher on ``container`` (see the module docstring)."""
+
+    def __init__(self, client: Client, container: str, command: str = "qps train") -> None:
+        self.client = client
+        self.container = container
+        self.key = lease_key(container)
+        owner = owners.default_owner()
+        self.record = {
+            "owner": owner,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": round(time.time(), 3),
+            "command": command,
+        }
+        self.value = json.dumps(self.record, sort_keys=True)
+        self._renewer: asyncio.Task[None] | None = None
+        self.lost: str | None = None  # why the lease was lost while held
+
+    async def _acquire(self, expected: str) -> tuple[bool, str]:
+        script = self.client.commands.register_script(_ACQUIRE)
+        with map_errors():
+            ok, holder = await script(keys=[self.key], args=[self.value, LEASE_MS, expected])
+        return bool(int(ok)), _text(holder)
+
+    async def acquire(self) -> str | None:
+        """Take the lease: free, expired, ours, or held by a launcher of this host that
+        is gone. Returns the record of the gone launcher it took over from (None: the
+        lease was free).
+
+        Raises:
+            FailedPreconditionError: a live launcher (or one elsewhere whose lease has
+                not run out) runs a job in the container; the message names it.
+        """
+        ok, holder = await self._acquire(self.value)
+        if ok:
+            return None
+        try:
+            theirs = json.loads(holder)
+        except ValueError:
+            theirs = {"owner": holder}
+        if owners.owner_is_dead(str(theirs.get("owner", ""))):
+            ok, again = await self._acquire(holder)
+            if ok:
+                log.info("took over the lease of a gone launcher: %s", holder)
+                return holder
+            theirs = json.loads(again)
+        here = theirs.get("host") == socket.gethostname()  # and alive: no lease to wait out
+        holder = describe_holder(theirs, None if here else LEASE_MS)
+        raise FailedPreconditionError(
+            f"container '{self.container}' is in use by a running job: {holder}. Stop it "
+            f"first (Ctrl-C, or `qps job stop --container {self.container}`), or choose "
+            "another --container"
+        )
+
+    async def reassert(self) -> None:
+        """Set the lease again if it is gone (the container was reset: a checkpoint
+        restored over it) or still ours.
+
+        Raises:
+            FailedPreconditionError: another launcher took it meanwhile.
+        """
+        ok, holder = await self._acquire(self.value)
+        if not ok:
+            raise FailedPreconditionError(
+                f"container '{self.container}': another launcher took it over: {holder}"
+            )
+
+    async def _renew(self, ttl: str) -> bool:
+        script = self.client.commands.register_script(_RENEW)
+        with map_errors():
+            return bool(int(await script(keys=[self.key], args=[self.value, ttl])))
+
+    def start_renewing(self) -> None:
+        """Renew the lease every :data:`RENEW_SECONDS` until :meth:`release`."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(RENEW_SECONDS)
+                try:
+                    if await self._renew(str(LEASE_MS)):
+                        continue
+                    await self.reassert()  # gone (a reset): set it again
+                except FailedPreconditionError as exc:
+                    self.lost = str(exc)
+                    log.warning("%s", exc)
+                    return
+                except Exception as exc:  # Redis away for a moment: try again
+                    log.warning("could not renew the launcher's lease: %s", exc)
+
+        self._renewer = asyncio.ensure_future(renew())
+
+    async def __aenter__(self) -> LauncherLease:
+        await self.acquire()
+        self.start_renewing()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    async def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._renew("")
+
+
+@dataclass
+class ResumePlan:
+    """Where a launcher's job starts from."""
+
+    source: str  # "fresh", "redis" or "checkpoint"
+    line: str = ""  # what to print ("" for a fresh job without a checkpoint)
+    global_step: int = 0
+    checkpoint: Path | None = None  # the checkpoint to restore ("checkpoint")
+    overwrite: bool = False  # restore over the container's state (reset it first)
+
+
+def _newest(directory: str | None) -> checkpoint.CheckpointInfo | None:
+    if not directory or not os.path.isdir(directory):
+        return None
+    found = checkpoint.list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+async def _holds_only_the_lease(client: Client, container: str) -> bool:
+    mine = lease_key(container).encode()
+    async for key in scan_container_keys(client, container):
+        if key != mine:
+            return False
+    return True
+
+
+async def plan_resume(client: Client, container: str, checkpoint_dir: str | None) -> ResumePlan:
+    """Where the job of ``container`` starts: fresh; from the state Redis holds (a PS
+    job there that was never marked finished) when it is at least as new as the newest
+    checkpoint of ``checkpoint_dir``; else from that checkpoint.
+
+    Raises:
+        FailedPreconditionError: the container holds a job that finished.
+    """
+    newest = _newest(checkpoint_dir)
+    if await control.read_config(client, container) is None:  # no job here yet
+        if newest is None:
+            return ResumePlan("fresh")
+        return ResumePlan(
+            "checkpoint",
+            f"qps train: resuming container {container} from checkpoint {newest.path} "
+            f"(global step {newest.global_step:,})",
+            newest.global_step,
+            newest.path,
+            # the launcher's own lease is no job: restore over it (it is set again);
+            # anything else (an input queue, say) makes the restore refuse
+            overwrite=await _holds_only_the_lease(client, container),
+        )
+    step = 0
+    with contextlib.suppress(NotFoundError):
+        step = await control.global_step_counter(client, container).get()
+    if await control.is_finished(client, container):
+        raise FailedPreconditionError(
+            f"container '{container}' holds a job that finished (global step {step:,}): "
+            "qps train does not add a run to it. Choose another --container, or reset it "
+            f"(`qps container reset {container}`) to start over"
+            + (f" from the newest checkpoint of {checkpoint_dir}" if newest else "")
+        )
+    if newest is not None and newest.global_step > step:
+        return ResumePlan(
+            "checkpoint",
+            f"qps train: resuming container {container} from checkpoint {newest.path} "
+            f"(global step {newest.global_step:,}; Redis held global step {step:,})",
+            newest.global_step,
+            newest.path,
+            overwrite=True,
+        )
+    if newest is not None:
+        older = "is older" if newest.global_step < step else "is no newer"
+        why = f"; newest checkpoint {newest.path} {older}"
+    elif checkpoint_dir:
+        why = f"; no checkpoint in {checkpoint_dir}"
+    else:
+        why = ""
+    await job.clear_done(client, container)  # its workers run again
+    return ResumePlan(
+        "redis",
+        f"qps train: resuming container {container} from Redis (global step {step:,}{why})",
+        step,
+    )
