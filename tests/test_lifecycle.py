@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import qps
@@ -83,6 +85,44 @@ async def test_a_live_launcher_here_is_refused_a_dead_one_is_taken_over(
     assert not await client.commands.exists(lifecycle.lease_key("jobx"))
 
 
+# -- retention ---------------------------------------------------------------------------
+
+
+async def test_pruning_keeps_the_newest_of_its_own_checkpoints(
+    client: transport.Client, tmp_path: Path
+) -> None:
+    """Only this container's model-<step> checkpoints count: another container's in the
+    same directory, and anything else there, are kept; so is the one just written."""
+    mine = {}
+    for container, steps in (("mine", (100, 200, 300, 400)), ("other", (150, 250, 450))):
+        async with qps.Session(client=client, container=container) as s:
+            await s.variable("w", (2,), np.float32, np.ones(2, np.float32)).create()
+            counter = control.global_step_counter(client, container)
+            for step in steps:
+                await counter.set(step)
+                info = await checkpoint.save(s, tmp_path / "model-{step}")
+                if container == "mine":
+                    mine[step] = info.path
+    (tmp_path / "notes").mkdir()
+    gone = lifecycle.prune_checkpoints(tmp_path, "mine", 2)
+    assert [p.name for p in gone] == ["model-100", "model-200"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["model-150", "model-250", "model-300", "model-400", "model-450", "notes"]
+    # neither the newest nor the one just written is deleted, whatever the order
+    assert lifecycle.prune_checkpoints(tmp_path, "mine", 1, mine[300]) == []
+    assert lifecycle.prune_checkpoints(tmp_path, "mine", 0) == []
+    assert (tmp_path / "model-300").is_dir() and (tmp_path / "model-400").is_dir()
+    assert lifecycle.prune_checkpoints(tmp_path, "mine", 1) == [mine[300]]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # none half-deleted
+
+
+def test_until_global_step_checks_more_often_near_the_target() -> None:
+    assert lifecycle.steps_before_check(10_000, 2, 100) == 100
+    assert lifecycle.steps_before_check(60, 2, 100) == 30
+    assert lifecycle.steps_before_check(1, 3, 100) == 1
+    assert lifecycle.steps_before_check(-5, 3, 100) == 1
+
+
 # -- qps train, end to end -----------------------------------------------------------------
 
 
@@ -147,6 +187,47 @@ async def test_a_rerun_after_a_crash_resumes_from_redis_and_a_finished_job_is_no
     _, err = third.communicate(timeout=120)
     assert third.returncode == 1, err[-3000:]
     assert f"container '{c}' holds a job that finished" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(400)
+def test_a_rerun_resumes_from_a_newer_checkpoint_keeps_n_and_stops_at_the_global_step(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A container whose Redis state is older than the newest checkpoint (restored from
+    an older one) goes on from the checkpoint; the chief keeps --checkpoint-keep of its
+    checkpoints; the workers stop at --until-global-step, not after another --steps."""
+    ck = str(tmp_path / "ck")
+    a = _container()
+    first = _train("--container", a, "--ps", "1", "--workers", "2", "--steps", "300",
+                   "--log-every", "20", "--checkpoint-dir", ck, "--checkpoint-every", "60",
+                   "--checkpoint-keep", "2", "--json", url=redis_url)  # fmt: skip
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    kept = checkpoint.list_checkpoints(ck)
+    assert len(kept) == 2, [str(i.path) for i in kept]  # of about 10 written
+    assert kept[-1].global_step >= 540, kept
+    assert len(re.findall(r"deleted old checkpoint", err)) >= 6, err[-3000:]
+
+    c = _container()  # a job left at an older step than the newest checkpoint
+    got = _qps("checkpoint", "restore", str(kept[0].path), "--url", redis_url,
+               "--container", c, "--yes")  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    target = kept[-1].global_step + 150
+    second = _train("--container", c, "--ps", "1", "--workers", "2", "--steps", "5000",
+                    "--log-every", "50", "--checkpoint-dir", ck,
+                    "--until-global-step", str(target), "--json", url=redis_url)  # fmt: skip
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    assert (
+        f"qps train: resuming container {c} from checkpoint {kept[-1].path} (global step "
+        f"{kept[-1].global_step:,}; Redis held global step {kept[0].global_step:,})" in err
+    ), err[-3000:]
+    result = json.loads(out)
+    assert result["resumed_from"] == "checkpoint"
+    assert result["restored_step"] == kept[-1].global_step
+    # stopped at the target: past it only by the gradients in flight
+    assert target <= result["global_step"] <= target + 20, result
+    assert _processes_of(c) == []
 
 
 @pytest.mark.timeout(300)

@@ -140,7 +140,8 @@ def test_config_files_that_name_no_options_are_refused(
 
 
 def test_config_keys_are_the_options_of_before() -> None:
-    """Every job option's long name, no more (the set the file took before)."""
+    """Every job option's long name, no more (the set the file took before, and the
+    options added since: --checkpoint-keep, --until-global-step)."""
     from qps.cli.train import config_keys
 
     assert set(config_keys(cli.commands["train"])) == {
@@ -148,7 +149,7 @@ def test_config_keys_are_the_options_of_before() -> None:
         "data", "batch_size", "steps", "optimizer", "learning_rate", "lr", "seed", "url",
         "container", "max_group", "max_message_mib", "metrics_port", "metrics_addr",
         "checkpoint_dir", "checkpoint_every", "log_every", "logdir", "restarts", "backend",
-        "grad_dtype", "pack",
+        "grad_dtype", "pack", "checkpoint_keep", "until_global_step",
     }  # fmt: skip
 
 

@@ -158,6 +158,10 @@ class TrainConfig:
     container: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    #: the chief keeps this many of its newest checkpoints (0: all)
+    checkpoint_keep: int = 5
+    #: the workers stop once the job's global step reaches this (None: their steps)
+    until_global_step: int | None = None
     log_every: int = 100
     #: serve each role's Prometheus metrics on metrics_port + k (see metrics_ports)
     metrics_port: int | None = None
@@ -199,9 +203,11 @@ class TrainConfig:
             data=self.data,
             batch_size=self.batch_size,
             steps=self.steps,
+            until_global_step=self.until_global_step,
             max_staleness=self.max_staleness,
             checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
+            checkpoint_keep=self.checkpoint_keep,
             backend=self.backend,
             grad_dtype=self.grad_dtype,
         ).check()
@@ -238,6 +244,9 @@ class TrainConfig:
             args += ["--checkpoint-dir", self.checkpoint_dir]
             if self.checkpoint_every:
                 args += ["--checkpoint-every", str(self.checkpoint_every)]
+            args += ["--checkpoint-keep", str(self.checkpoint_keep)]
+        if self.until_global_step is not None:
+            args += ["--until-global-step", str(self.until_global_step)]
         if self.logdir:
             args += ["--logdir", self.logdir]
         if self.backend:

@@ -1,5 +1,5 @@
 """A ``qps train`` job across runs of its launcher: who runs it, where a rerun resumes
-from.
+from, and which checkpoints are kept.
 
 * **The launcher's lease** (:class:`LauncherLease`): a launcher owns its container
   through ``qps:{C}:job:launcher``, a JSON record (owner, host, pid, start time) set
@@ -13,6 +13,11 @@ from.
   from whichever is newer, the state Redis kept or the newest checkpoint of the job's
   directory; a finished one is refused, so that a rerun never silently adds a second
   run to it.
+* **Retention** (:func:`prune_checkpoints`): the chief keeps the newest ``keep``
+  checkpoints it wrote (``model-<step>`` of its container) and deletes the older ones,
+  as TF's ``Saver(max_to_keep=...)``.
+* **Stopping near a global step** (:func:`steps_before_check`): how many steps a
+  worker with ``--until-global-step`` may run before it reads the global step again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import contextlib
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -41,6 +49,8 @@ __all__ = [
     "LauncherLease",
     "ResumePlan",
     "plan_resume",
+    "prune_checkpoints",
+    "steps_before_check",
 ]
 
 log = logging.getLogger("qps.train")
@@ -49,6 +59,9 @@ log = logging.getLogger("qps.train")
 LEASE_MS = 15_000
 #: how often a launcher renews it
 RENEW_SECONDS = LEASE_MS / 3000.0
+
+#: the names the chief gives its checkpoints (``<dir>/model-<step>``)
+CHECKPOINT_NAME = re.compile(r"model-\d+")
 
 # set the lease to ARGV[1] for ARGV[2] ms if it is free or holds ARGV[3] (a holder
 # found gone, or ours): {1, ARGV[1]}; else {0, the holder}
@@ -277,3 +290,46 @@ async def plan_resume(client: Client, container: str, checkpoint_dir: str | None
         f"qps train: resuming container {container} from Redis (global step {step:,}{why})",
         step,
     )
+
+
+def prune_checkpoints(
+    directory: str | os.PathLike[str], container: str, keep: int, newest: Path | None = None
+) -> list[Path]:
+    """Delete the checkpoints the chief of ``container`` wrote in ``directory``
+    (``model-<step>`` directories whose manifest names ``container``) beyond the newest
+    ``keep`` (0: keep all); never ``newest`` (the one just written) nor one being
+    written (a hidden temporary directory, never listed). Each goes in two steps: a
+    rename to a hidden name (atomic: a reader lists it whole or not at all), then its
+    removal. Returns the paths deleted, oldest first."""
+    if keep <= 0 or not os.path.isdir(directory):
+        return []
+    base = Path(directory).resolve()
+    mine = [
+        info
+        for info in checkpoint.list_checkpoints(base)
+        if info.container == container
+        and CHECKPOINT_NAME.fullmatch(info.path.name)
+        and info.path.parent == base
+    ]
+    keep_too = None if newest is None else Path(newest).resolve()
+    deleted = []
+    for info in mine[: max(0, len(mine) - keep)]:
+        if info.path.resolve() == keep_too:
+            continue
+        hidden = base / f".{info.path.name}.del-{secrets.token_hex(4)}"
+        try:
+            os.rename(info.path, hidden)
+        except OSError as exc:  # gone already (another pruner), or not ours to move
+            log.warning("could not delete old checkpoint %s: %s", info.path, exc)
+            continue
+        shutil.rmtree(hidden, ignore_errors=True)
+        deleted.append(info.path)
+    return deleted
+
+
+def steps_before_check(left: int, num_workers: int, log_every: int) -> int:
+    """With ``--until-global-step``: how many steps a worker runs before it reads the
+    global step again, ``left`` steps short of the target with ``num_workers`` workers
+    sharing them: a fair share of what is left, at most ``log_every``, at least one (so
+    near the target it reads it every step)."""
+    return max(1, min(log_every, left // max(1, num_workers)))

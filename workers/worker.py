@@ -76,7 +76,7 @@ from qps.ps.messages import GRAD_DTYPES
 from qps.queues.base import Delivery
 from qps.queues.waiters import LEASE_MS
 from qps.variables import ReadPlan, VariableValue
-from workers import job
+from workers import job, lifecycle
 from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
 from workers.models import (
     Model,
@@ -147,6 +147,7 @@ class WorkerConfig:
     ready_timeout: float = 600.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int = 5  # the chief keeps its newest N checkpoints (0: all)
     evaluate: bool = True
     finish_job: bool = True
     logdir: str | None = None  # TensorBoard scalars under logdir/worker-<index>/
@@ -179,6 +180,8 @@ class WorkerConfig:
             raise InvalidArgumentError(f"max staleness must be >= 0, got {self.max_staleness}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint directory")
+        if self.checkpoint_keep < 0:
+            raise InvalidArgumentError(f"checkpoint keep must be >= 0, got {self.checkpoint_keep}")
 
     def backend_choice(self) -> str:
         """``auto``, ``numpy`` or ``cupy``: ``backend``, else ``$QPS_BACKEND``, else auto."""
@@ -569,6 +572,7 @@ class Worker:
         last_log, last_examples = start, 0
         step = 0
         next_ckpt = 0
+        until_check = 0  # the step at which to read the global step for until_global_step
         if cfg.index == 0 and cfg.checkpoint_every:
             next_ckpt = (res.global_step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
         batches = self._batches(source)
@@ -686,6 +690,12 @@ class Worker:
                 self.metrics.step(n, loss)
                 if cfg.max_staleness is not None:
                     await job.ssp_advance(sess.client, cfg.container, cfg.name, step, self.names)
+                if cfg.until_global_step is not None and step >= until_check:
+                    res.global_step = await sess.global_step()  # read more often near it
+                    left = cfg.until_global_step - res.global_step
+                    until_check = step + lifecycle.steps_before_check(
+                        left, cfg.num_workers, cfg.log_every
+                    )
                 if step % cfg.log_every == 0:
                     res.global_step = await sess.global_step()
                     now = time.monotonic()
@@ -801,9 +811,18 @@ class Worker:
         return max([got, *await tokens.take_all()])
 
     async def _checkpoint(self) -> None:
-        assert self.cfg.checkpoint_dir
-        info = await checkpoint.save(self.sess, f"{self.cfg.checkpoint_dir}/model-{{step}}")
-        log.info("%s: checkpoint %s at global step %d", self.cfg.name, info.path, info.global_step)
+        cfg, where = self.cfg, self.cfg.checkpoint_dir
+        assert where
+        info = await checkpoint.save(self.sess, f"{where}/model-{{step}}")
+        log.info("%s: checkpoint %s at global step %d", cfg.name, info.path, info.global_step)
+        keep = cfg.checkpoint_keep  # the oldest of ours beyond it go (never this one)
+        gone = await asyncio.to_thread(
+            lifecycle.prune_checkpoints, where, cfg.container, keep, info.path
+        )
+        for path in gone:
+            log.info(
+                "%s: deleted old checkpoint %s (keeping %d)", cfg.name, path, cfg.checkpoint_keep
+            )
 
     async def _publish(self, state: str, rate: float) -> None:
         res = self.result

@@ -216,7 +216,28 @@ class TrainCommand(click.Command):
     help="The chief restores the newest checkpoint here (when it is newer than what "
     "the container holds) and saves checkpoints here with --checkpoint-every.",
 )
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=None)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The chief saves a checkpoint under --checkpoint-dir every this many global steps.",
+)
+@click.option(
+    "--checkpoint-keep",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="The chief keeps its newest N checkpoints and deletes older ones (TF's "
+    "max_to_keep; 0: keep all) [5].",
+)
+@click.option(
+    "--until-global-step",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="The workers stop once the job's global step reaches N (or after --steps, "
+    "whichever comes first): a resumed job ends where the first run would have.",
+)
 @click.option("--log-every", type=click.IntRange(min=1), default=None)
 @click.option(
     "--metrics-port",

@@ -83,7 +83,8 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "--until-global-step",
     type=click.IntRange(min=0),
     default=None,
-    help="Stop once the job's global step reaches this.",
+    help="Stop once the job's global step reaches this (read every --log-every steps, "
+    "and more often as it nears).",
 )
 @click.option(
     "--seed",
@@ -144,6 +145,16 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
     type=click.IntRange(min=0),
     default=0,
     help="The chief saves a checkpoint every this many global steps (0: never).",
+)
+@click.option(
+    "--checkpoint-keep",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    metavar="N",
+    help="The chief keeps its newest N checkpoints in --checkpoint-dir (those of this "
+    "container, model-<step>) and deletes older ones after each save, as TF's "
+    "max_to_keep (0: keep all).",
 )
 @click.option(
     "--logdir",
