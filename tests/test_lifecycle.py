@@ -252,3 +252,22 @@ def test_a_second_launcher_for_a_running_container_is_refused(redis_url: str) ->
         _stop(first)
     assert first.returncode == 130
     assert _processes_of(c) == []
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_reports_the_chiefs_last_metric() -> None:
+    c = _container()
+    proc = _train("--container", c, "--ps", "1", "--workers", "2", "--steps", "1000000",
+                  "--log-every", "20", "--json")  # fmt: skip
+    try:
+        _wait_for_line(proc, "worker1: step 100,")
+    finally:
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    result = json.loads(out)
+    logged = re.findall(r"worker0: test accuracy (\d\.\d+)", err)
+    assert logged, err[-3000:]  # the chief evaluated as it stopped
+    assert result["test_metric"] == "accuracy"
+    assert result["test_value"] is not None and f"{result['test_value']:.4f}" == logged[-1]
+    assert _processes_of(c) == []

@@ -415,7 +415,7 @@ async def run_job(
     shards: list[_Role] = []
     workers: list[_Role] = []  # restarted roles replace theirs in place
     stop = stop or asyncio.Event()
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()
     try:
         async with (
             await qps.connect(url) as client,
@@ -477,13 +477,17 @@ async def run_job(
                 cfg.sync_replicas, steps_total, cfg.restarts,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
+            if result.exit_code == 130:  # interrupted: the chief evaluates as it stops
+                await _stop_all(shards + workers)
             result.global_step, result.examples, result.last_loss, _ = await _progress(
                 client, container
             )
+            got = None
             if result.exit_code == 0:
                 got = await evaluate(client, container, cfg)
-                if got is not None:
-                    result.test_metric, result.test_value = got
+            got = got or await lifecycle.chief_metric(client, container, started_at)
+            if got is not None:
+                result.test_metric, result.test_value = got
             total: dict[int, int] = {}
             for i in range(cfg.num_shards):
                 st = await control.shard_status(client, container, i)

@@ -1,5 +1,5 @@
 """A ``qps train`` job across runs of its launcher: who runs it, where a rerun resumes
-from, and which checkpoints are kept.
+from, which checkpoints are kept, and what the chief last measured.
 
 * **The launcher's lease** (:class:`LauncherLease`): a launcher owns its container
   through ``qps:{C}:job:launcher``, a JSON record (owner, host, pid, start time) set
@@ -18,6 +18,8 @@ from, and which checkpoints are kept.
   as TF's ``Saver(max_to_keep=...)``.
 * **Stopping near a global step** (:func:`steps_before_check`): how many steps a
   worker with ``--until-global-step`` may run before it reads the global step again.
+* **The chief's metric** (:func:`chief_metric`): the test metric the chief published
+  last (its ``eval`` status), for the launcher's summary when it did not evaluate.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "RENEW_SECONDS",
     "LauncherLease",
     "ResumePlan",
+    "chief_metric",
     "plan_resume",
     "prune_checkpoints",
     "steps_before_check",
@@ -333,3 +336,17 @@ def steps_before_check(left: int, num_workers: int, log_every: int) -> int:
     sharing them: a fair share of what is left, at most ``log_every``, at least one (so
     near the target it reads it every step)."""
     return max(1, min(log_every, left // max(1, num_workers)))
+
+
+async def chief_metric(
+    client: Client, container: str, since: float = 0.0
+) -> tuple[str, float] | None:
+    """The test metric the chief published last (its ``eval`` status: ``{metric:
+    value}``) at or after ``since`` (``time.time()``), or None."""
+    record = (await job.read_statuses(client, container)).get("eval")
+    if not record or float(record.get("time", 0)) < since:
+        return None
+    for name, value in record.items():
+        if name != "time" and isinstance(value, (int, float)):
+            return str(name), float(value)
+    return None
