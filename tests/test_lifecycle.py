@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -271,3 +272,23 @@ def test_ctrl_c_reports_the_chiefs_last_metric() -> None:
     assert result["test_metric"] == "accuracy"
     assert result["test_value"] is not None and f"{result['test_value']:.4f}" == logged[-1]
     assert _processes_of(c) == []
+
+
+@pytest.mark.timeout(300)
+def test_the_printed_watch_command_reaches_the_running_job() -> None:
+    """The private server's URL printed at the start works from another process while
+    the job runs."""
+    proc = _train("--ps", "1", "--workers", "2", "--steps", "1000000", "--log-every", "20")
+    try:
+        lines = _wait_for_line(proc, "watch it: ")
+        words = shlex.split(lines[-1].split("watch it: ", 1)[1])
+        assert words[:2] == ["qps", "top"] and words[2] == "--url" and words[4] == "--container"
+        url, container = words[3], words[5]
+        assert url.startswith("unix://")
+        _wait_for_line(proc, "worker1: step 20,")
+        got = _qps("job", "status", "--url", url, "--container", container)
+        assert got.returncode == 0, got.stderr
+        assert f"container {container}: job running" in got.stdout, got.stdout
+    finally:
+        _stop(proc)
+    assert proc.returncode == 130

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -50,6 +51,7 @@ from qps import checkpoint, keys, wire
 from qps.errors import InvalidArgumentError
 from qps.optimizers import make_optimizer
 from qps.ps import control
+from qps.transport import redact_url
 from workers import job, lifecycle
 from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
@@ -453,6 +455,8 @@ async def run_job(
                     else ""
                 )
             )
+            emit(f"qps train: watch it: qps top --url {shlex.quote(redact_url(url))} "
+                 f"--container {container}")  # fmt: skip
             ports = cfg.metrics_ports()
             if ports:
                 emit(
