@@ -9,11 +9,16 @@ by accident, but never the same namespace.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import signal
 import socket
 
-__all__ = ["default_owner", "owner_is_dead", "pid_namespace"]
+__all__ = ["PARENT_ENV", "default_owner", "die_with_parent", "owner_is_dead", "pid_namespace"]
+
+#: set by ``qps train`` in its roles' environment: the launcher's pid
+PARENT_ENV = "QPS_LAUNCHER_PID"
 
 
 def pid_namespace() -> str:
@@ -51,3 +56,20 @@ def owner_is_dead(owner: str) -> bool:
     except OSError:  # e.g. EPERM: it exists
         return False
     return False
+
+
+def die_with_parent() -> None:
+    """In a role ``qps train`` started (:data:`PARENT_ENV` holds its pid): get SIGTERM
+    when the launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), and stop at
+    once if it is already gone, so that a crashed launcher leaves no role running on
+    (they would train beside the roles of its rerun). A no-op elsewhere."""
+    want = os.environ.get(PARENT_ENV, "")
+    if not want.isdigit() or not os.path.exists("/proc/self"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(want):  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -232,6 +232,35 @@ def test_a_rerun_resumes_from_a_newer_checkpoint_keeps_n_and_stops_at_the_global
 
 
 @pytest.mark.timeout(300)
+async def test_the_roles_stop_when_their_launcher_is_killed(redis_url: str) -> None:
+    """kill -9 of the launcher alone (its process group: the roles run in sessions of
+    their own): the roles get SIGTERM and stop, instead of training on beside the roles
+    of the rerun; the rerun then resumes the job."""
+    c = _container()
+    args = ["--container", c, "--ps", "1", "--workers", "2", "--steps", "1000000",
+            "--log-every", "20"]  # fmt: skip
+    first = _train(*args, url=redis_url)
+    try:
+        _wait_for_line(first, "worker1: step 20,")
+        assert len(_processes_of(c)) == 4  # the launcher, the shard, two workers
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+
+    async def roles_gone() -> bool:
+        return _processes_of(c) == []
+
+    try:
+        await until(roles_gone, 60, "the roles of the killed launcher stopped")
+    finally:
+        _kill_everything_of(c)  # none, unless they outlived it
+    second = _train(*args[:-4], "--steps", "40", "--json", "-q", url=redis_url)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err[-3000:]
+    assert json.loads(out)["resumed_from"] == "redis"
+
+
+@pytest.mark.timeout(300)
 def test_a_second_launcher_for_a_running_container_is_refused(redis_url: str) -> None:
     c = _container()
     first = _train("--container", c, "--ps", "1", "--workers", "2", "--steps", "1000000",

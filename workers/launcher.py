@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 import qps
-from qps import checkpoint, keys, wire
+from qps import keys, owners, wire
 from qps.errors import InvalidArgumentError
 from qps.optimizers import make_optimizer
 from qps.ps import control
@@ -344,6 +344,7 @@ async def _start(
     for var in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # each role's port is in its args
         env.pop(var, None)
     env.update(extra or {})
+    env[owners.PARENT_ENV] = str(os.getpid())  # it stops if we die (owners.die_with_parent)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -424,19 +425,11 @@ async def run_job(
             lifecycle.LauncherLease(client, container) as lease,
         ):
             optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
-            # before any role writes: a job left unfinished goes on from Redis or from
-            # a newer checkpoint; a finished one is refused
-            plan = await lifecycle.plan_resume(client, container, cfg.checkpoint_dir)
-            if plan.line:
-                emit(plan.line)
+            plan = await lifecycle.resume(lease, cfg.checkpoint_dir, emit)  # before any role
             if plan.source != "fresh":
                 result.resumed_from, result.resumed_step = plan.source, plan.global_step
             if plan.checkpoint is not None:
-                info = await checkpoint.restore(
-                    client, plan.checkpoint, container=container, overwrite=plan.overwrite
-                )
-                result.restored_from, result.restored_step = str(plan.checkpoint), info.global_step
-                await lease.reassert()  # a restore over the container reset it
+                result.restored_from, result.restored_step = str(plan.checkpoint), plan.global_step
             sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
             most = None
             if cfg.max_message_mib is not None:

@@ -34,6 +34,7 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "chief_metric",
     "plan_resume",
     "prune_checkpoints",
+    "resume",
     "steps_before_check",
 ]
 
@@ -293,6 +295,28 @@ async def plan_resume(client: Client, container: str, checkpoint_dir: str | None
         f"qps train: resuming container {container} from Redis (global step {step:,}{why})",
         step,
     )
+
+
+async def resume(
+    lease: LauncherLease, checkpoint_dir: str | None, emit: Callable[[str], None]
+) -> ResumePlan:
+    """Before any role of the launcher holding ``lease`` starts: plan where its job
+    starts (:func:`plan_resume`), print it, and restore the checkpoint it names (over
+    the container's state if need be; the lease is then set again).
+
+    Raises:
+        FailedPreconditionError: the container holds a job that finished, or another
+            launcher took the container over while the checkpoint was restored.
+    """
+    plan = await plan_resume(lease.client, lease.container, checkpoint_dir)
+    if plan.line:
+        emit(plan.line)
+    if plan.checkpoint is not None:
+        await checkpoint.restore(
+            lease.client, plan.checkpoint, container=lease.container, overwrite=plan.overwrite
+        )
+        await lease.reassert()  # a restore over the container reset it
+    return plan
 
 
 def prune_checkpoints(

@@ -38,6 +38,7 @@ from qps.cli.train import train
 from qps.cli.var import var
 from qps.cli.worker import worker
 from qps.errors import QpsError
+from qps.owners import die_with_parent
 
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
@@ -183,6 +184,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The console-script entry point: :func:`run`, then exit with its code."""
+    die_with_parent()  # a role of `qps train` stops when its launcher dies
     sys.exit(run(argv))
 
 
