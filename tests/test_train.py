@@ -244,6 +244,30 @@ def test_sync_mode_with_a_backup_worker_survives_a_killed_worker(train: Train) -
     assert _processes_of(c) == []
 
 
+def test_sync_with_a_backup_leaves_no_message_behind(redis_url: str) -> None:
+    """Backup workers: the last update's gradients of the workers still running when the
+    job finished can never be aggregated; the shards drop and count them instead of
+    putting them back on their lists (one was left in each shard's list, every run)."""
+    import redis
+
+    from qps import keys
+
+    c = _container()
+    proc = _train("--mode", "sync", "--backup-workers", "1", "--workers", "3",
+                  "--steps", "100", "--json", "-q", "--container", c, url=redis_url)  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out)["stopped"] == "finished"
+    r = redis.Redis.from_url(redis_url)
+    for shard in range(2):
+        prefix = keys.ps_prefix(c, shard)
+        left = [k.decode() for k in r.scan_iter(match=f"{prefix}glist*") if r.type(k) == b"list"]
+        stats = {k.decode(): v.decode() for k, v in r.hgetall(prefix + "stats").items()}
+        assert [k for k in left if r.llen(k)] == [], (left, stats)
+        settled = int(stats.get("applied", 0)) + int(stats.get("dropped_stale", 0))
+        assert settled == int(stats["list_taken"]) == int(stats["list_pushed"]), stats
+
+
 def test_a_packed_model_trains_exactly_as_the_model_with_its_parts_on_every_shard(
     redis_url: str,
 ) -> None:

@@ -745,6 +745,8 @@ class Shard:
                         if again_l and gl is not None:
                             lister = asyncio.ensure_future(self._fetch_list(gl, inbox))
                         continue
+                    if self._acc.items:  # an update that can no longer gather its peers
+                        await self._drop_unfinished_update(q)
                     self.log.info("the job is finished and my queue is drained: exiting")
                     return "finished"
             return "stopped"
@@ -770,6 +772,22 @@ class Shard:
                 await _quietly(self._list.close())
             self._senders.clear()  # given back: their next owner gives the credits
             self._inbox = None
+
+    async def _drop_unfinished_update(self, q: QueueBase) -> None:
+        """Synchronous training, the job finished: the gradients gathered for an update
+        that fewer than ``replicas_to_aggregate`` workers sent (a backup worker's last
+        step) are dropped as TF's accumulators drop them, acknowledged and counted
+        (``dropped_stale``), rather than given back to the list for no one."""
+        items, self._acc = self._acc.items, _Accum()
+        assert self.sync is not None
+        self.log.info(
+            "dropping %d gradient(s) of update %d: the job finished before %d arrived",
+            len(items), self.sync_step + 1, self.sync[0],
+        )  # fmt: skip
+        await self._settle(q, _deliveries(items), ack=True)
+        self.dropped += len(items)
+        self.metrics.dropped_stale.inc(len(items))
+        await self._stats({}, {"dropped_stale": len(items)})
 
     async def _fetch(self, q: QueueBase, inbox: _Inbox) -> None:
         """Take deliveries ahead of the apply (while the inbox has room), decode them and
