@@ -79,6 +79,26 @@ def _test_server_binary() -> str | None:
     pytest.exit(f"QPS_TEST_SERVER must be 'path' or 'wheel', not {which!r}", 2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_run_dir() -> Iterator[str]:
+    """Every process of this session that uses the local embedded server without a URL
+    (the CLI's default) gets one of its own: ``QPS_RUN_DIR`` is a private directory, so
+    two sessions at once (pytest-xdist's workers, CI's passes) never share a server,
+    and the user's own server is never touched. Its server is stopped at the end."""
+    run_dir = tempfile.mkdtemp(prefix="qpsr", dir="/tmp")
+    before = os.environ.get(embedded.ENV_RUN_DIR)
+    os.environ[embedded.ENV_RUN_DIR] = run_dir
+    try:
+        yield run_dir
+    finally:
+        embedded.stop_local_server(run_dir)
+        if before is None:
+            os.environ.pop(embedded.ENV_RUN_DIR, None)
+        else:
+            os.environ[embedded.ENV_RUN_DIR] = before
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def server_url() -> Iterator[str]:
     """URL of the single real Redis server of this test session."""

@@ -363,8 +363,17 @@ class Page:
 
     @property
     def python(self) -> Python:
+        """The page's interpreter, started (at its first block) from the page's shell
+        as it is then: its exported variables and directory, as a reader's would be."""
         if self._python is None:
-            self._python = Python(self.dir, self.env, self.dir / ".python.log")
+            env, cwd = self.env, self.dir
+            if self._shell is not None:
+                status, out = self._shell.run("env -0; printf '\\0%s' \"$PWD\"", self.timeout)
+                if status == 0:
+                    *pairs, cwd_text = out.split("\0")
+                    env = dict(p.split("=", 1) for p in pairs if "=" in p)
+                    cwd = Path(cwd_text)
+            self._python = Python(cwd, env, self.dir / ".python.log")
         return self._python
 
     def run(self, block: Block) -> None:
