@@ -7,7 +7,9 @@ container reset`` removes it with the rest of the job.
 Waiting never polls: a waiter blocks in ``BLPOP`` on a wake list of its own that the
 event it waits for pushes to; the block is bounded (:data:`WAKE_SECONDS`) only so that a
 waiter re-checks its condition if a wake-up was lost (a waiter that started blocking
-after the push: the condition is always checked before blocking).
+after the push: the condition is always checked before blocking). The wait for a stop
+request (:func:`wait_stop_request`) is not bounded: its waiters register their wake
+lists before they check, and :func:`request_stop` pushes to every registered one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "stop_requested",
     "wait_ready",
     "wait_status_change",
+    "wait_stop_request",
     "wait_workers_done",
     "worker_names",
 ]
@@ -243,18 +246,25 @@ async def request_stop(
     client: Client, container: str, reason: str = "qps job stop"
 ) -> dict[str, Any]:
     """Ask every worker of the job to stop after the step in hand (``qps job stop``):
-    record the request (JSON: ``reason``, ``time``) and return it. The first request
-    is kept; the mark lasts until the container is reset, so a restarted worker stops
-    at once too. Workers check it when they start and whenever they publish their
-    status; marking the PS job finished as well (:func:`qps.ps.control.mark_finished`)
-    makes their next push fail, which ends them sooner."""
+    record the request (JSON: ``reason``, ``time``), wake the workers waiting for one
+    (:func:`wait_stop_request`) and return it. The first request is kept; the mark
+    lasts until the container is reset, so a restarted worker stops at once too.
+    Marking the PS job finished as well (:func:`qps.ps.control.mark_finished`) makes
+    a push that is under way fail, which ends its worker sooner."""
     record = {"reason": reason, "time": time.time()}
     key = _key(container, "stop")
     with map_errors():
         pipe = client.commands.pipeline(transaction=True)
         pipe.set(key, json.dumps(record), nx=True)
         pipe.get(key)
-        _, raw = await pipe.execute()
+        pipe.smembers(_key(container, "stop:waiters"))
+        _, raw, wakes = await pipe.execute()
+        if wakes:  # each registered before it looked for the mark: none is missed
+            pipe = client.commands.pipeline(transaction=True)
+            for wake in sorted(wakes):
+                pipe.rpush(wake, 1)
+                pipe.ltrim(wake, -1, -1)
+            await pipe.execute()
     return dict(json.loads(raw))
 
 
@@ -263,6 +273,21 @@ async def stop_requested(client: Client, container: str) -> dict[str, Any] | Non
     with map_errors():
         raw = await client.commands.get(_key(container, "stop"))
     return None if raw is None else dict(json.loads(raw))
+
+
+async def wait_stop_request(client: Client, container: str, worker: str) -> dict[str, Any]:
+    """Block until the job's stop is requested (:func:`request_stop`); return the
+    request. ``worker`` blocks in ``BLPOP`` on a wake list of its own, with no time
+    limit: it registers the list in the job's set of stop waiters before it looks for
+    the request, and :func:`request_stop` pushes to every registered list after it
+    records one, so a request is never missed."""
+    wake = _key(container, f"stop:wake:{worker}")
+    with map_errors():
+        await client.commands.sadd(_key(container, "stop:waiters"), wake)
+    while (got := await stop_requested(client, container)) is None:
+        with map_errors():
+            await client.blocking.blpop([wake], timeout=0)
+    return got
 
 
 # -- bounded staleness (SSP) ------------------------------------------------------------------
