@@ -331,9 +331,9 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
-    """Without the finished mark (so no push fails), a worker sees the stop request at
-    its next status publish and stops there; `qps train` then finishes the job as at a
-    normal end."""
+    """Without the finished mark (so no push fails), a worker is woken by the stop
+    request (it waits for one in Redis beside its training) and stops after the step in
+    hand; `qps train` then finishes the job as at a normal end."""
     c = _container()
     env = {**os.environ, "PYTHONPATH": REPO}
     train = subprocess.Popen(
@@ -365,7 +365,7 @@ def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
     assert "worker0: stopped after" in err and "stop requested (test)" in err, err[-3000:]
     snap = _run(redis_url, lambda cl: monitor.snapshot(cl, c))
     (w,) = snap.workers
-    assert w.state == "done" and w.step % 10 == 0  # it stopped at a status publish
+    assert w.state == "done" and w.step >= 10
     assert snap.global_step == w.step
 
 

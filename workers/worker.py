@@ -29,10 +29,11 @@ involved), compute the loss and gradients, push one gradient message per PS shar
   the slowest running worker waits, blocked in Redis). Staleness in asynchronous mode
   is bounded by the shards' gradient queues, whose capacity makes a push wait.
 * **End**: after ``steps`` steps, when the global step reaches ``until_global_step``,
-  when the input queue ends, on SIGTERM (after the step in hand), or when ``qps job
-  stop`` asked (:func:`workers.job.request_stop`, checked at the start and with every
-  status publish; the finished mark it sets makes the next push fail, which also ends
-  the worker cleanly). The last worker to
+  when the input queue ends, or on a stop request (:class:`qps.stopping.Stopper`):
+  SIGTERM/SIGINT, or ``qps job stop`` (:func:`workers.job.request_stop`, waited for in
+  Redis beside the training: :func:`workers.job.wait_stop_request`). It stops after
+  the step in hand; a wait (for the chief, a batch of the input queue, a synchronous
+  update's token, slower workers) is cut short at once. The last worker to
   finish marks the PS job finished, so the shards drain their queues and exit 0.
 
 Each worker publishes its status (step, loss, examples/s, state) in the container for
@@ -45,13 +46,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
 import os
 import socket
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,22 +62,20 @@ import qps
 from qps import backend, checkpoint, curves, packing
 from qps import metrics as _metrics
 from qps.errors import (
-    AbortedError,
     CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
-    OutOfRangeError,
     QpsError,
 )
 from qps.ps import control
 from qps.ps.messages import GRAD_DTYPES
-from qps.queues.base import Delivery
-from qps.queues.waiters import LEASE_MS
+from qps.stopping import Stopped, Stopper
 from qps.variables import ReadPlan, VariableValue
 from workers import job, lifecycle
-from workers.data import BUILTIN, auc, builtin_split, load_xy, minibatches, take
+from workers.batches import Input
+from workers.data import BUILTIN, auc, builtin_split
 from workers.models import (
     Model,
     Packed,
@@ -233,80 +231,6 @@ class WorkerResult:
         return self.examples / self.seconds if self.seconds > 0 else 0.0
 
 
-class _Input:
-    """Batches for one worker: local minibatches, or a shared input queue."""
-
-    def __init__(self, cfg: WorkerConfig, sess: qps.Session, model: Model) -> None:
-        self.cfg = cfg
-        self.sess = sess
-        self.model = model
-        self.test: tuple[np.ndarray, ...] | None = None
-        self.queue: Any = None
-        self._local: Any = None
-        #: batches taken from the queue (acknowledged dequeues) and not acked yet, oldest
-        #: first: the one being trained on, and the one fetched ahead
-        self._held: collections.deque[Delivery] = collections.deque()
-
-    async def open(self) -> None:
-        data = self.cfg.data
-        if data.startswith("queue:"):
-            self.queue = await self.sess.queue(data[len("queue:") :])
-            return
-        if data in BUILTIN:
-            train, self.test = await asyncio.to_thread(builtin_split, data, self.model)
-        else:
-            train = load_xy(data)
-        rng = np.random.default_rng(self.cfg.seed + self.cfg.index)
-        order = minibatches(len(train[-1]), self.cfg.batch_size, rng)
-        self._local = (train, order)
-
-    async def next(self) -> tuple[np.ndarray, ...] | None:
-        """The next batch, or None at the end of the input."""
-        if self._local is not None:
-            train, order = self._local
-            return take(train, next(order))
-        try:
-            d = await self.queue.dequeue_up_to_acked(self.cfg.batch_size)
-        except OutOfRangeError:
-            return None
-        self._held.append(d)
-        got = d.value
-        return tuple(got) if isinstance(got, (list, tuple)) else (got,)
-
-    async def used(self) -> None:
-        """The oldest batch handed out was trained on (its gradients pushed): ack it, so
-        its examples leave the queue for good. A batch of a worker that dies first goes
-        back to the queue when its lease runs out, for another worker."""
-        if not self._held:
-            return
-        d = self._held.popleft()
-        try:
-            await self.queue.ack(d)
-        except AbortedError as exc:  # stalled past the lease: another worker got them too
-            log.warning("%s: %s", self.cfg.name, exc)
-
-    async def give_back(self) -> None:
-        """Put back, at the front of the queue, the batches handed out and not trained on
-        (the one fetched ahead when the worker stops)."""
-        while self._held:
-            d = self._held.pop()  # newest first: the oldest ends up in front
-            with contextlib.suppress(QpsError):
-                await self.queue.nack(d)
-
-    async def keep_alive(self) -> None:
-        """Renew the leases of the batches held, while a step (or a wait for a token or
-        for slower workers) takes longer than a lease."""
-        while True:
-            await asyncio.sleep(LEASE_MS / 3000.0)
-            for d in list(self._held):
-                try:
-                    await self.queue.touch(d)
-                except AbortedError as exc:
-                    log.warning("%s: %s", self.cfg.name, exc)
-                except QpsError as exc:
-                    log.warning("%s: could not renew a batch's lease: %s", self.cfg.name, exc)
-
-
 def _split(
     got: Mapping[str, VariableValue],
 ) -> tuple[dict[str, Any], dict[str, int]]:
@@ -323,7 +247,11 @@ class Worker:
     """One worker process's training loop (use :func:`run_worker`)."""
 
     def __init__(
-        self, cfg: WorkerConfig, sess: qps.Session, metrics: _metrics.Metrics | None = None
+        self,
+        cfg: WorkerConfig,
+        sess: qps.Session,
+        metrics: _metrics.Metrics | None = None,
+        stopper: Stopper | None = None,
     ) -> None:
         cfg.check()
         self.cfg = cfg
@@ -334,7 +262,8 @@ class Worker:
         self._use(auto_packed(self.base, cfg.num_shards or 1) if cfg.pack else self.base)
         self.names = [f"worker{k}" for k in range(cfg.num_workers)]
         self.grad_dtype = np.dtype(cfg.grad_dtype) if cfg.grad_dtype else None
-        self.stop = asyncio.Event()
+        #: SIGTERM, SIGINT, `qps job stop`: stop after the step in hand, cutting waits short
+        self.stopper = stopper or Stopper()
         self.result = WorkerResult()
         self.metrics = (metrics or _metrics.default()).worker(cfg.container, cfg.name)
         self.curves: curves.ScalarWriter | None = None
@@ -362,16 +291,28 @@ class Worker:
 
         The job's model is the chief's: the others train it packed or not as the chief
         does (the model --model names either way; another model is an error)."""
-        cfg, client = self.cfg, self.sess.client
+        cfg, client, res = self.cfg, self.sess.client, self.result
+        before = (await job.read_statuses(client, cfg.container)).get(cfg.name)
+        if before and int(before.get("step") or 0) > 0:
+            # an earlier run of this worker in this job (killed, then started again):
+            # its steps count, and this run goes on after the last one it published
+            res.steps, res.examples = int(before["step"]), int(before.get("examples") or 0)
+            log.info(
+                "%s: resuming after step %d, the last an earlier run of it published",
+                cfg.name,
+                res.steps,
+            )
         if cfg.index == 0:
             how = await self._initialise()
             spec = self.model.spec
             ready = {"model": spec, "from": how}
             await job.mark_ready(client, cfg.container, cfg.num_workers, ready)
             log.info("%s: model %s ready (%s)", cfg.name, spec, how)
-        else:
+        else:  # seen waiting by `qps job status`, and stopped by `qps job stop`
             log.info("%s: waiting for the chief to make the model ready", cfg.name)
-        info = await job.wait_ready(client, cfg.container, cfg.index, cfg.ready_timeout)
+            await self._publish("waiting", 0.0)
+        async with self.stopper.interruptible("waiting for the chief to make the model ready"):
+            info = await job.wait_ready(client, cfg.container, cfg.index, cfg.ready_timeout)
         theirs = str(info.get("model"))
         if theirs == self.model.spec:
             return
@@ -534,32 +475,12 @@ class Worker:
         loss, grads = self.model.loss_and_grads(params, batch)
         return float(loss), grads_to_host(narrowed(grads, self.grad_dtype))
 
-    async def _batches(self, source: _Input) -> AsyncGenerator[tuple[np.ndarray, ...], None]:
-        """Batches with the next one fetched while the current one is used (local
-        minibatches are cut when needed: nothing to wait for, no task per step)."""
-        if source.queue is None:
-            while (batch := await source.next()) is not None:
-                yield batch
-            return
-        ahead = asyncio.ensure_future(source.next())
-        try:
-            while True:
-                batch = await ahead
-                if batch is None:
-                    return
-                ahead = asyncio.ensure_future(source.next())
-                yield batch
-        finally:
-            if not ahead.done():
-                ahead.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await ahead
-
     # -- the loop ------------------------------------------------------------------------
     async def train(self) -> WorkerResult:
         cfg, sess, res = self.cfg, self.sess, self.result
-        source = _Input(cfg, sess, self.model)
-        await source.open()
+        source = Input(cfg, sess, self.model)
+        async with self.stopper.interruptible("loading the data"):
+            await source.open()
         why = ""
         if self.xp is np and cfg.backend_choice() == "auto" and backend.gpu_available():
             why = " (auto: a model this small is faster on the host; --backend cupy to override)"
@@ -575,7 +496,7 @@ class Worker:
         until_check = 0  # the step at which to read the global step for until_global_step
         if cfg.index == 0 and cfg.checkpoint_every:
             next_ckpt = (res.global_step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
-        batches = self._batches(source)
+        batches = source.batches(self.stopper)
         toucher = asyncio.ensure_future(source.keep_alive()) if source.queue is not None else None
         res.stopped_by = "end of input"
         # on a GPU the first step's math runs once more, untimed: CuPy compiles its
@@ -594,27 +515,13 @@ class Worker:
             if self.dense and not self.sparse and (sync is not None or self.inline)
             else None
         )
-        before = (await job.read_statuses(sess.client, cfg.container)).get(cfg.name)
-        if before and int(before.get("step") or 0) > 0:
-            # an earlier run of this worker in this job (killed, then started again):
-            # its steps count, and this run goes on after the last one it published
-            step = res.steps = int(before["step"])
-            res.examples = int(before.get("examples") or 0)
-            log.info(
-                "%s: resuming after step %d, the last an earlier run of it published",
-                cfg.name,
-                step,
-            )
+        step = res.steps  # after an earlier run's steps (see prepare)
         await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
         self.metrics.start()
-        stop_asked = await self._stop_asked()
         try:
             async for batch in batches:
-                if self.stop.is_set():
-                    res.stopped_by = "signal"
-                    break
-                if stop_asked:
-                    res.stopped_by = stop_asked
+                if self.stopper.requested:
+                    res.stopped_by = self.stopper.reason
                     break
                 if cfg.steps is not None and step >= cfg.steps:
                     res.stopped_by = f"{cfg.steps} steps"
@@ -623,9 +530,11 @@ class Worker:
                     res.stopped_by = f"global step {cfg.until_global_step}"
                     break
                 if cfg.max_staleness is not None:
-                    res.waited_ms += await job.ssp_wait(
-                        sess.client, cfg.container, cfg.name, step, cfg.max_staleness, self.names
-                    )
+                    async with self.stopper.interruptible("waiting for slower workers"):
+                        res.waited_ms += await job.ssp_wait(
+                            sess.client, cfg.container, cfg.name, step, cfg.max_staleness,
+                            self.names,
+                        )  # fmt: skip
                 if newer is not None:  # synchronous: tokens that piled up, sought meanwhile
                     if pulled is None:
                         pulled, latest = await asyncio.gather(self._pull(batch), newer)
@@ -646,12 +555,15 @@ class Worker:
                 if sync is not None:  # push for update local_step, then wait for it
                     assert tokens is not None
                     loss, grads = await self._compute(params, batch)
-                    if plan is not None:  # the token wait and the pull ride with the push
-                        got = await self._push_then_token(grads, local_step, versions, tokens, plan)
-                    else:
-                        await self._push(grads, local_step, versions)
-                        got = None
-                    token, more, pulled = got or await self._token(tokens, sync[0], plan)
+                    async with self.stopper.interruptible("waiting for a synchronous update"):
+                        if plan is not None:  # the token wait and the pull ride with the push
+                            got = await self._push_then_token(
+                                grads, local_step, versions, tokens, plan
+                            )
+                        else:
+                            await self._push(grads, local_step, versions)
+                            got = None
+                        token, more, pulled = got or await self._token(tokens, sync[0], plan)
                     if token is None:
                         res.stopped_by = "too few workers left to make an update"
                         await source.used()
@@ -708,7 +620,6 @@ class Worker:
                     await self._publish("training", rate)
                     if self.curves is not None:
                         await self._curve_point(loss, rate, ps_cfg, source.test)
-                    stop_asked = await self._stop_asked()
                     if next_ckpt and res.global_step >= next_ckpt:
                         await self._checkpoint()
                         next_ckpt = (
@@ -716,6 +627,8 @@ class Worker:
                         ) * cfg.checkpoint_every
         except CancelledError as exc:  # the job was finished under us
             res.stopped_by = await self._stop_asked() or f"job finished ({exc})"
+        except Stopped as exc:  # a wait cut short
+            res.stopped_by = str(exc)
         finally:
             if newer is not None:
                 newer.cancel()
@@ -795,7 +708,7 @@ class Worker:
                 done = await job.finished_workers(client, cfg.container)
                 if cfg.num_workers - len(done - {cfg.name}) < replicas:
                     return None, None, None
-                if await control.is_finished(client, cfg.container) or self.stop.is_set():
+                if await control.is_finished(client, cfg.container):
                     return None, None, None
                 continue
             if not replies:
@@ -848,7 +761,8 @@ class Worker:
         done = await job.finish_worker(sess.client, cfg.container, cfg.name)
         if cfg.max_staleness is not None:
             await job.ssp_advance(sess.client, cfg.container, cfg.name, res.steps, self.names)
-        if cfg.index == 0 and cfg.evaluate:
+        if cfg.index == 0 and cfg.evaluate and self.stopper.signum is None:
+            # (not after a signal: the process must exit within the grace period)
             got = await self.evaluate()
             if got is not None:
                 res.test_metric, res.test_value = got
@@ -872,25 +786,55 @@ class Worker:
 
 
 async def run_worker(
-    cfg: WorkerConfig, stop: asyncio.Event | None = None, metrics: _metrics.Metrics | None = None
+    cfg: WorkerConfig, stop: Stopper | None = None, metrics: _metrics.Metrics | None = None
 ) -> WorkerResult:
-    """Run one worker to its end (see the module docstring); ``stop`` set: finish the
-    step in hand and stop (SIGTERM). ``cfg.index`` -1: claim an index (``--index
-    auto``, see :func:`workers.job.claim_index`) under this host's name. Its metrics go
-    to ``metrics`` (default: the process's, :func:`qps.metrics.default`)."""
+    """Run one worker to its end (see the module docstring); a stop requested through
+    ``stop`` (SIGTERM: :mod:`qps.stopping`), or with ``qps job stop``, ends it after the
+    step in hand and cuts its waits short: it returns at once from the wait for the
+    chief. ``cfg.index`` -1: claim an index (``--index auto``, see
+    :func:`workers.job.claim_index`) under this host's name. Its metrics go to
+    ``metrics`` (default: the process's, :func:`qps.metrics.default`).
+
+    Raises:
+        Stopped: the stop came while it connected to Redis.
+    """
+    stopper = stop or Stopper()
     if cfg.index < 0:
-        async with await qps.connect(cfg.url) as client:
+        async with stopper.interruptible("connecting to Redis"):
+            client = await qps.connect(cfg.url)
+        async with client:
             cfg.index = await job.claim_index(client, cfg.container, claimant(), cfg.num_workers)
         log.info("%s: claimed index %d of %d", cfg.name, cfg.index, cfg.num_workers)
-    async with qps.Session(cfg.url, container=cfg.container, worker=cfg.name) as sess:
-        w = Worker(cfg, sess, metrics)
-        if stop is not None:
-            w.stop = stop
+    sess = qps.Session(cfg.url, container=cfg.container, worker=cfg.name)
+    try:
+        async with stopper.interruptible("connecting to Redis"):
+            await sess.open()
+        w = Worker(cfg, sess, metrics, stopper)
+        watch = asyncio.ensure_future(_watch_stop_request(sess.client, cfg, stopper))
         try:
             await w.prepare()
             await w.train()
             await w.finish()
+        except Stopped as exc:  # waiting for the chief, or loading the data: no step
+            w.result.stopped_by = str(exc)
+            log.info("%s: stopped (%s)", cfg.name, exc)
+            await w._publish("done", 0.0)
         finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             if w.curves is not None:
                 w.curves.close()
         return w.result
+    finally:
+        await sess.close()
+
+
+async def _watch_stop_request(client: qps.Client, cfg: WorkerConfig, stopper: Stopper) -> None:
+    """Turn the job's stop request (``qps job stop``), when it comes, into a stop of
+    this worker (blocked in Redis until then: :func:`workers.job.wait_stop_request`)."""
+    try:
+        got = await job.wait_stop_request(client, cfg.container, cfg.name)
+    except QpsError as exc:  # the worker's own calls meet the same trouble
+        log.debug("%s: no longer watching for a stop request: %s", cfg.name, exc)
+        return
+    stopper.request(f"stop requested ({got.get('reason', 'no reason')})")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json as jsonlib
-import signal
 
 import click
 
@@ -17,10 +15,10 @@ from qps.cli import (
     json_option,
     metrics_options,
     role_logs,
-    run_async,
     serve_metrics,
     url_option,
 )
+from qps.cli.role import run_role
 from qps.ps.messages import GRAD_DTYPES
 
 MODEL_HELP = (
@@ -195,8 +193,11 @@ def worker(
     fetched while a step computes, and the push and the next pull travel together.
 
     It stops after --steps steps, at --until-global-step, at the end of its input, or
-    on SIGTERM/Ctrl-C after the step in hand; then it records itself done (the chief
-    prints the test accuracy of the digits example) and exits 0. Progress is logged
+    on SIGTERM/Ctrl-C or `qps job stop` after the step in hand (a wait for the chief, a
+    batch, a token or slower workers ends at once); then it records itself done (the
+    chief prints the test accuracy of the digits example, but not after a signal) and
+    exits 0. A stop by a signal that cannot end within 1 s (Redis hung) is cut short:
+    exit status 128 + the signal (143, 130). Progress is logged
     every --log-every steps and published for `qps top`; --metrics-port serves
     Prometheus metrics (docs/metrics.md); with --logdir the training curves are
     written for TensorBoard and `qps plot`.
@@ -215,20 +216,8 @@ def worker(
     except Exception as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     serve_metrics(ctx, metrics_port, metrics_addr)
-
-    async def main() -> object:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            return await run_worker(cfg, stop)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-    result = run_async(main())
+    result = run_role("qps worker", "qps.worker", lambda stopper: run_worker(cfg, stopper))
     if json:
-        data = dataclasses.asdict(result)  # type: ignore[call-overload]
+        data = dataclasses.asdict(result)
         data.pop("losses", None)
         click.echo(jsonlib.dumps(data, indent=2))
