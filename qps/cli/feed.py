@@ -2,13 +2,13 @@
 
 Reads a dataset (an ``.npz`` file, ``.npy`` files, or the built-in digits), enqueues
 every example once per epoch into a shared input queue and closes the queue; exits 0
-when done and on SIGTERM or Ctrl-C (after stopping cleanly).
+when done and on SIGTERM or Ctrl-C (after stopping cleanly; see :mod:`qps.stopping`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
+import contextlib
 
 import click
 
@@ -21,11 +21,12 @@ from qps.cli import (
     json_option,
     metrics_options,
     role_logs,
-    run_async,
     serve_metrics,
     url_option,
 )
+from qps.cli.role import run_role
 from qps.errors import InvalidArgumentError
+from qps.stopping import Stopper
 from workers.feeder import DATASETS, FeedOptions, FeedResult, feed, load_dataset
 from workers.input import Coordinator
 
@@ -38,22 +39,19 @@ async def _run(
     x_key: str,
     y_key: str | None,
     split: str,
+    stopper: Stopper,
 ) -> FeedResult:
     # load before connecting: a bad file is a usage error, whatever the server
-    data = await asyncio.to_thread(
-        load_dataset, data_paths, dataset, x_key=x_key, y_key=y_key, split=split
-    )
+    async with stopper.interruptible("loading the data"):
+        data = await asyncio.to_thread(
+            load_dataset, data_paths, dataset, x_key=x_key, y_key=y_key, split=split
+        )
     coord = Coordinator()
-    loop = asyncio.get_running_loop()
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    for sig in sigs:
-        loop.add_signal_handler(sig, coord.request_stop)
-    try:
-        async with connected(url) as client:
-            return await feed(client, data, options, coord)
-    finally:
-        for sig in sigs:
-            loop.remove_signal_handler(sig)
+    stopper.on_stop(coord.request_stop)  # between two chunks, or cutting an enqueue short
+    async with contextlib.AsyncExitStack() as stack:
+        async with stopper.interruptible("connecting to Redis"):
+            client = await stack.enter_async_context(connected(url))
+        return await feed(client, data, options, coord)
 
 
 @click.command(name="feed")
@@ -183,7 +181,8 @@ def feed_command(
     An element is [x[i], y[i]]. Progress is logged (epochs, examples) and counted in the
     container's counters feed/<queue>/examples and feed/<queue>/epochs (see `qps
     container stat`). SIGTERM or Ctrl-C stops enqueuing, leaves the queue consistent
-    (open unless --close-on-term) and exits 0.
+    (open unless --close-on-term) and exits 0 (128 + the signal if it cannot within
+    1 s: Redis hung).
 
     One feeder at a time runs the feed into a queue; another one waits until it ends.
     A feed that did not end (the feeder was killed or stopped) is resumed by the next
@@ -215,7 +214,13 @@ def feed_command(
     except InvalidArgumentError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     serve_metrics(ctx, metrics_port, metrics_addr)
-    result = run_async(_run(url, data_paths, options, dataset, x_key, y_key or None, split))
+    result = run_role(
+        "qps feed",
+        "qps.feed",
+        lambda stopper: _run(
+            url, data_paths, options, dataset, x_key, y_key or None, split, stopper
+        ),
+    )
     if json:
         echo_json(result.as_dict())
         return

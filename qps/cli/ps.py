@@ -2,7 +2,8 @@
 
 * ``qps ps --shard I --num-shards N [--optimizer NAME --lr X -p NAME=VALUE ...]`` runs
   shard ``I`` (:class:`qps.ps.Shard`) until the job is finished (exit 0), ``SIGTERM`` or
-  Ctrl-C (exit 0 after the group of messages in hand), or its lease is lost (exit 1).
+  Ctrl-C (exit 0 after the group of messages in hand; see :mod:`qps.stopping`), or its
+  lease is lost (exit 1).
 * ``qps ps status``: each shard's state, lease, counters and staleness per worker.
 * ``qps ps dlq ls|show|drop``: the dead letters (messages a shard refused).
 * ``qps ps finish``: mark the job finished (the shards drain their queues and exit).
@@ -10,9 +11,8 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json as jsonlib
-import signal
 import sys
 import time
 from typing import Any
@@ -33,6 +33,7 @@ from qps.cli import (
     serve_metrics,
     url_option,
 )
+from qps.cli.role import run_role
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from qps.ps.messages import SparseGradient, decode_message
@@ -44,6 +45,7 @@ from qps.ps.shard import (
     Shard,
     ShardOptions,
 )
+from qps.stopping import Stopper
 from qps.transport import Client
 
 
@@ -82,17 +84,13 @@ def _optimizer(name: str | None, lr: float | None, hparams: tuple[str, ...]) -> 
         raise CliError(str(exc), EXIT_USAGE) from exc
 
 
-async def _serve(url: str | None, options: ShardOptions) -> str:
-    async with connected(url) as client:
+async def _serve(url: str | None, options: ShardOptions, stopper: Stopper) -> str:
+    async with contextlib.AsyncExitStack() as stack:
+        async with stopper.interruptible("connecting to Redis"):
+            client = await stack.enter_async_context(connected(url))
         shard = Shard(client, options)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, shard.request_stop)
-        try:
-            return await shard.run()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        stopper.on_stop(shard.request_stop)  # after the group of messages in hand
+        return await shard.run()
 
 
 @click.group(name="ps", invoke_without_command=True)
@@ -192,7 +190,8 @@ def ps(
     waiting as one group and commits each variable once for all of them (--max-group,
     --max-group-mib, --commit-interval-ms). It exits 0 when the job is finished
     (`qps ps finish`) and its queue is drained, and on SIGTERM or Ctrl-C after the
-    group in hand; 1 if its lease was lost. The first shard records N, the
+    group in hand (128 + the signal if that takes over 1 s: Redis hung); 1 if its
+    lease was lost. The first shard records N, the
     optimizer and --max-message-mib in the container; later ones must agree.
     --metrics-port serves its Prometheus metrics (docs/metrics.md).
 
@@ -219,7 +218,7 @@ def ps(
         commit_interval_ms=commit_interval_ms,
         max_message_bytes=_mib_bytes(max_message_mib),
     )
-    reason = run_async(_serve(url, options))
+    reason = run_role("qps ps", "qps.ps", lambda stopper: _serve(url, options, stopper))
     click.echo(f"qps ps: shard {shard}/{num_shards} {reason}", err=True)
 
 
