@@ -296,10 +296,10 @@ def test_ctrl_c_reports_the_chiefs_last_metric() -> None:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     result = json.loads(out)
-    logged = re.findall(r"worker0: test accuracy (\d\.\d+)", err)
-    assert logged, err[-3000:]  # the chief evaluated as it stopped
-    assert result["test_metric"] == "accuracy"
-    assert result["test_value"] is not None and f"{result['test_value']:.4f}" == logged[-1]
+    # the roles stop at once (the chief does not evaluate after a signal); the launcher
+    # evaluates the parameters the job ended with
+    assert result["test_metric"] == "accuracy", result
+    assert result["test_value"] is not None and 0.5 <= result["test_value"] <= 1.0, result
     assert _processes_of(c) == []
 
 

@@ -474,13 +474,13 @@ async def run_job(
                 cfg.sync_replicas, steps_total, cfg.restarts,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
-            if result.exit_code == 130:  # interrupted: the chief evaluates as it stops
+            if result.exit_code == 130:  # interrupted: the roles stop at once (no eval)
                 await _stop_all(shards + workers)
             result.global_step, result.examples, result.last_loss, _ = await _progress(
                 client, container
             )
             got = None
-            if result.exit_code == 0:
+            if result.exit_code in (0, 130):  # the parameters the job ended with
                 got = await evaluate(client, container, cfg)
             got = got or await lifecycle.chief_metric(client, container, started_at)
             if got is not None:
