@@ -153,9 +153,13 @@ def test_the_compose_job_runs_to_its_end_as_processes(redis_url: str) -> None:
         procs["chief"] = start("chief")
         for k in range(services["worker"]["deploy"]["replicas"]):
             procs[f"worker.{k}"] = start("worker")
+        errs = {}
         for name, p in procs.items():
             _, err = p.communicate(timeout=240)
-            assert p.returncode == 0, f"{name}: {err.decode()[-2000:]}"
+            errs[name] = err.decode()
+            assert p.returncode == 0, f"{name}: {errs[name][-2000:]}"
+        # the chief reads its input from the queue; it evaluates on --eval-data's split
+        assert re.search(r"worker0: test accuracy 0\.\d+", errs["chief"]), errs["chief"][-2000:]
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -75,7 +75,7 @@ from qps.stopping import Stopped, Stopper
 from qps.variables import ReadPlan, VariableValue
 from workers import job, lifecycle
 from workers.batches import Input
-from workers.data import BUILTIN, auc, builtin_split
+from workers.data import BUILTIN, auc, builtin_split, load_xy
 from workers.models import (
     Model,
     Packed,
@@ -134,6 +134,9 @@ class WorkerConfig:
     num_shards: int | None = None
     model: str = "mlp:64,128,10"
     data: str = "digits"
+    #: held-out data the chief evaluates on: a built-in name or an .npz file (None: the
+    #: test split of ``data`` when it is built in)
+    eval_data: str | None = None
     batch_size: int = 64
     steps: int | None = 1500
     until_global_step: int | None = None
@@ -778,10 +781,15 @@ class Worker:
                 pass
 
     async def evaluate(self) -> tuple[str, float] | None:
-        """The test metric of the current parameters (None without a test split)."""
-        if self.cfg.data not in BUILTIN:
+        """The test metric of the current parameters on ``eval_data`` (default: the test
+        split of a built-in ``data``); None without held-out data."""
+        name = self.cfg.eval_data or (self.cfg.data if self.cfg.data in BUILTIN else None)
+        if name is None:
             return None
-        _, test = await asyncio.to_thread(builtin_split, self.cfg.data, self.model)
+        if name in BUILTIN:
+            _, test = await asyncio.to_thread(builtin_split, name, self.model)
+        else:
+            test = await asyncio.to_thread(load_xy, name)
         return await evaluate_params(self.sess, self.model, test)
 
 

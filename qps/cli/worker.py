@@ -19,6 +19,7 @@ from qps.cli import (
     url_option,
 )
 from qps.cli.role import run_role
+from qps.errors import InvalidArgumentError
 from qps.ps.messages import GRAD_DTYPES
 
 MODEL_HELP = (
@@ -69,6 +70,14 @@ def _index(ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @click.option("--model", default="mlp:64,128,10", show_default=True, help=MODEL_HELP)
 @click.option("--data", default="digits", show_default=True, help=DATA_HELP)
+@click.option(
+    "--eval-data",
+    default=None,
+    metavar="NAME|FILE.npz",
+    help="The chief evaluates the job's parameters on this held-out data: a built-in data "
+    "set's test split, or an .npz file (x, y) [the test split of --data when that is "
+    "built in; none for --data queue:NAME].",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option(
     "--steps",
@@ -212,7 +221,12 @@ def worker(
         cfg.check()
         from workers.launcher import check_data, check_model
 
-        check_data(cfg.data, check_model(cfg.model), cfg.batch_size)
+        model = check_model(cfg.model)
+        check_data(cfg.data, model, cfg.batch_size)
+        if cfg.eval_data is not None:
+            if cfg.eval_data.startswith("queue:"):
+                raise InvalidArgumentError("--eval-data takes a built-in data set or an .npz file")
+            check_data(cfg.eval_data, model)
     except Exception as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     serve_metrics(ctx, metrics_port, metrics_addr)
