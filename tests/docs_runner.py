@@ -437,3 +437,32 @@ def _kill_under(directory: Path) -> None:
         if cwd == base or cwd.startswith(base + os.sep):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+
+
+def main() -> None:
+    """``python -m tests.docs_runner``: per page, the blocks run, the files written,
+    those marked illustration only (with their reasons) and the inert ones."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    totals = {"run": 0, "file": 0, "illustration": 0, "inert": 0}
+    for page in pages:
+        if page.name == "cli-reference.md":  # generated from --help; tests/test_docs.py
+            continue
+        counts = dict.fromkeys(totals, 0)
+        for b in parse(page):
+            kind = (
+                "illustration" if b.illustration is not None
+                else "file" if b.title is not None
+                else "run" if b.lang in RUNNABLE
+                else "inert"
+            )  # fmt: skip
+            counts[kind] += 1
+            if kind == "illustration":
+                print(f"  illustration only: {b.where}: {b.illustration}")
+        for k, v in counts.items():
+            totals[k] += v
+        print(f"{page.relative_to(ROOT)}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    print("all: " + ", ".join(f"{v} {k}" for k, v in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
