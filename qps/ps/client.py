@@ -411,7 +411,11 @@ class PSClient:
         gl = self._lists.get(shard)
         if gl is None:
             gl = self._lists[shard] = GradientList(self.client, self.container, shard)
-        lead = [("EXISTS", keys.ps_finished(self.container)), gl.push_command(payload)]
+        # the finished mark is read after the push: a push that finds the job not
+        # finished came before the mark, so the shard, which drains its list once the
+        # job is finished, takes it (read before the push, a mark and the shard's last
+        # look at the list could fall between the two, leaving the message for no one)
+        lead = [gl.push_command(payload), ("EXISTS", keys.ps_finished(self.container))]
         credits = None
         if not self._sync:
             credits = credit_key(self.container, shard, self.worker)
@@ -433,7 +437,7 @@ class PSClient:
             self._unsettled[shard] = max(0, self._unsettled.get(shard, 0) + 1 - len(back or ()))
         if then and ran and then_out is not None:  # (another shard's send may fill it)
             then_out[:] = replies[len(lead) :]
-        if int(replies[0]) and await self._withdrawn(gl, payload):
+        if int(replies[1]) and await self._withdrawn(gl, payload):
             raise CancelledError(f"the PS job of container '{self.container}' is finished")
 
     async def _withdrawn(self, gl: GradientList, payload: bytes) -> bool:
