@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -251,7 +252,7 @@ def _wait_training(url: str, c: str, train: subprocess.Popen[str], workers: int 
 
     end = time.monotonic() + 120
     while not _run(url, training):
-        assert train.poll() is None, train.communicate()[1][-3000:]
+        assert train.poll() is None, (train.communicate()[1] or "see its log")[-3000:]
         assert time.monotonic() < end, "the job did not start training"
         time.sleep(0.2)
 
@@ -263,6 +264,7 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
     ends the job: the workers log why they stopped and the whole run exits 0."""
     c = _container()
     env = {**os.environ, "PYTHONPATH": REPO}
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the test process
     train = subprocess.Popen(
         _qps(
             "train",
@@ -282,7 +284,7 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
         ),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,  # a file: an unread pipe fills up and blocks the job (see below)
         text=True,
         env=env,
     )
@@ -312,7 +314,9 @@ def test_job_stop_ends_a_real_training_job(redis_url: str) -> None:
         )
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert "2 worker(s) done" in stop.stdout
-        out, err = train.communicate(timeout=120)
+        out, _ = train.communicate(timeout=120)
+        log.seek(0)
+        err = log.read()
     finally:
         if train.poll() is None:
             train.kill()
@@ -336,11 +340,11 @@ def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
     hand; `qps train` then finishes the job as at a normal end."""
     c = _container()
     env = {**os.environ, "PYTHONPATH": REPO}
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the test process
     train = subprocess.Popen(
         _qps("train", "--url", redis_url, "--container", c, "--ps", "1", "--workers", "1",
              "--steps", "1000000", "--log-every", "10", "--json"),
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
     )  # fmt: skip
     try:
 
@@ -350,12 +354,14 @@ def test_the_stop_mark_alone_stops_a_worker(redis_url: str) -> None:
 
         end = time.monotonic() + 120
         while not _run(redis_url, training):
-            assert train.poll() is None, train.communicate()[1][-3000:]
+            assert train.poll() is None, (log.seek(0), log.read()[-3000:])
             assert time.monotonic() < end, "the job did not start training"
             time.sleep(0.2)
         assert not _run(redis_url, lambda cl: control.is_finished(cl, c))
         _run(redis_url, lambda cl: job.request_stop(cl, c, "test"))
-        out, err = train.communicate(timeout=120)
+        out, _ = train.communicate(timeout=120)
+        log.seek(0)
+        err = log.read()
     finally:
         if train.poll() is None:
             train.kill()
@@ -404,9 +410,16 @@ def test_one_command_answers_on_a_real_job(redis_url: str) -> None:
     env = {**os.environ, "PYTHONPATH": REPO}
     args = ("train", "--url", redis_url, "--container", c, "--ps", "2", "--workers", "2",
             "--steps", "1000000", "--log-every", "5", "--json")  # fmt: skip
+    # the roles' log goes to a file: a pipe nobody reads until the end fills up (64 KiB,
+    # soon with --log-every 5 on a loaded machine) and blocks the launcher and the roles
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the test process
     train = subprocess.Popen(_qps(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                             stderr=log, text=True, env=env)  # fmt: skip
     stopped: list[int] = []
+
+    def logged() -> str:
+        log.seek(0)
+        return log.read()
 
     def status() -> dict[str, Any]:
         r = subprocess.run(_qps("job", "status", "--json", "--url", redis_url, "--container", c),
@@ -457,8 +470,9 @@ def test_one_command_answers_on_a_real_job(redis_url: str) -> None:
             _qps("job", "stop", "--yes", "--timeout", "60", "--url", redis_url, "--container", c),
             capture_output=True, text=True, env=env, timeout=90,
         )  # fmt: skip
-        assert stop.returncode == 0, stop.stdout + stop.stderr
-        out, err = train.communicate(timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr + logged()[-3000:]
+        out, _ = train.communicate(timeout=120)
+        err = logged()
     finally:
         for p in stopped:
             os.kill(p, signal.SIGCONT)
