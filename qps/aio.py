@@ -6,13 +6,25 @@ cancelled, it returns (or raises TimeoutError) and the ``CancelledError`` never 
 the task (CPython gh-86296). A task that swallowed its cancellation runs on, and
 whoever cancelled it and awaits it waits forever. The helpers here wait with
 ``asyncio.wait`` instead, which lets a cancellation through.
+
+``asyncio.shield(coro)`` has a trap of its own: when the caller is cancelled, the
+shielded call runs on in a task nobody awaits, and should it fail (Redis gone, say),
+asyncio reports ``Task exception was never retrieved`` with a traceback as the process
+exits. :func:`shielded` retrieves that outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-__all__ = ["wait_event"]
+__all__ = ["shielded", "wait_event"]
+
+T = TypeVar("T")
+
+log = logging.getLogger("qps.aio")
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
@@ -27,3 +39,19 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
         if not waiter.done():
             waiter.cancel()
     return event.is_set()
+
+
+async def shielded(aw: Awaitable[T]) -> T:
+    """``await asyncio.shield(aw)``: a cancellation of the caller does not cancel
+    ``aw``, which runs to its end. Should the caller be cancelled meanwhile, the outcome
+    of ``aw`` is still retrieved when it ends (a failure logged at DEBUG), so that a
+    call that fails after its caller gave up (Redis gone) leaves no ``Task exception
+    was never retrieved`` behind."""
+    inner = asyncio.ensure_future(aw)
+    inner.add_done_callback(_retrieve)
+    return await asyncio.shield(inner)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("a shielded call failed: %r", fut.exception())

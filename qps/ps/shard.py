@@ -63,6 +63,7 @@ import numpy.typing as npt
 
 from qps import keys, variables
 from qps import metrics as _metrics
+from qps.aio import shielded
 from qps.containers import Counter
 from qps.errors import (
     AbortedError,
@@ -940,7 +941,7 @@ class Shard:
             ds = [d for d in ds if not is_list_delivery(d)]
         if not ack:
             if ds:
-                await _quietly(asyncio.shield(q.nack(_joined(ds))))
+                await _quietly(shielded(q.nack(_joined(ds))))
             return True
         after: list[tuple[Any, ...]] = []
         if not self.client.cluster:

@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 
 from qps import keys, wire
+from qps.aio import shielded
 from qps.errors import (
     AbortedError,
     CancelledError,
@@ -571,7 +572,7 @@ class QueueBase:
                     )
                 self._forget = ""
         except asyncio.CancelledError:
-            await asyncio.shield(
+            await shielded(
                 client.run_script("abort", self._skeys, [f"{LEASE_MS} {entry} {aid} cancel"])
             )
             raise
@@ -579,7 +580,7 @@ class QueueBase:
             # e.g. the wait's connection died: withdraw the attempt now if Redis can be
             # reached, rather than leave it registered until its lease runs out
             with contextlib.suppress(QpsError):
-                await asyncio.shield(
+                await shielded(
                     client.run_script("abort", self._skeys, [f"{LEASE_MS} {entry} {aid} cancel"])
                 )
             raise
@@ -811,7 +812,7 @@ class QueueBase:
             )
         except BaseException:
             if acked:
-                await asyncio.shield(self._settle("nack", client, acked))
+                await shielded(self._settle("nack", client, acked))
             elif got:
                 await self._give_back(client, got)
             raise
@@ -949,14 +950,12 @@ class QueueBase:
             out = await read_batch_rows(client, self._prefix, blobs)
             out = await fetch_large(client, self._prefix, out)
         except BaseException:
-            await asyncio.shield(
-                client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored])
-            )
+            await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored]))
             raise
         rows = release_args(blobs)
         if rows:
             tokens = " ".join([str(LEASE_MS), *rows])
-            await asyncio.shield(client.run_script("release", self._skeys, [tokens]))
+            await shielded(client.run_script("release", self._skeys, [tokens]))
         return out, None
 
     async def _read_and_release_rows(
@@ -987,15 +986,11 @@ class QueueBase:
             with contextlib.suppress(QpsError):
                 datas, _ = await call
                 back = inline_rows(stored, blobs, runs, datas)
-                await asyncio.shield(
-                    client.run_script("requeue", self._skeys, [str(LEASE_MS), *back])
-                )
+                await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *back]))
             raise
         except QpsError:
             with contextlib.suppress(QpsError):
-                await asyncio.shield(
-                    client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored])
-                )
+                await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored]))
             raise
         one = len(runs) == 1 and len(runs[0][4]) == len(blobs)  # every value, in order
         return place_rows(blobs, runs, datas), datas[0] if one else None
