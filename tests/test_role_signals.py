@@ -470,6 +470,37 @@ def test_train(server: EmbeddedServer, container: str, roles: Callable[..., Role
         assert said, out
 
 
+#: `qps train`'s bound under a loaded machine (CI beside the tests): its own target is
+#: BOUND, and each message reports the time measured
+TRAIN_BOUND = 5.0
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=_signame)
+def test_train_connecting_to_a_redis_that_does_not_answer(
+    container: str, roles: Callable[..., Role], sig: int
+) -> None:
+    """`qps train` in its set-up: its connection is accepted and its first command
+    never answered (a hung server). It stops at once, says where it was, prints its
+    summary and exits 130 (it waited forever for the reply before)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        t = roles("train", "--url", f"redis://127.0.0.1:{port}", "--container", container)
+        listener.settimeout(STATE_WAIT)
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(STATE_WAIT)
+            assert conn.recv(4096)  # its first command: it waits for the reply
+            took = t.stop(sig)
+    out = t.output[-3000:]
+    print(f"exited {took:.3f} s after {_signame(sig)}, status {t.proc.returncode}")
+    assert t.proc.returncode == 130, out
+    assert took <= TRAIN_BOUND, f"exited {took:.3f} s after {_signame(sig)}:\n{out}"
+    assert f"qps train: stopped ({_signame(sig)} while connecting to Redis)" in out, out
+    assert "interrupted: test accuracy -, global step 0, 0 examples in" in out, out
+
+
 # -- Redis hung: its server stopped ---------------------------------------------------------
 
 

@@ -1,22 +1,30 @@
 """`qps train` end to end: real processes (a private server, PS shards, workers) on
-the digits example, in asynchronous and bounded-staleness mode; Ctrl-C and a killed
-worker; and no process left behind in any case (checked in /proc)."""
+the digits example, in asynchronous and bounded-staleness mode; Ctrl-C, a killed
+worker, and its Redis server SIGKILLed while it trains; and no process left behind in
+any case (checked in /proc)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
+from qps import keys
+from qps.embedded import EmbeddedServer
 from tests.conftest import JOB_SERVERS
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -298,3 +306,70 @@ def test_a_packed_model_trains_exactly_as_the_model_with_its_parts_on_every_shar
             assert placed == {"packed/0": 0, "packed/1": 1}, placed
     plain, packed = results.values()
     assert packed["test_value"] == plain["test_value"] >= 0.9, results
+
+
+@pytest.fixture
+def tcp_server() -> Iterator[tuple[EmbeddedServer, str]]:
+    """A redis-server of this test's own on a free loopback TCP port (a test may
+    SIGKILL it): ``redis://127.0.0.1:PORT/0``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tempfile.mkdtemp(prefix="qpsk", dir="/tmp")
+    srv = EmbeddedServer(
+        run_dir, binary=shutil.which("redis-server"), appendonly=False, stop_at_exit=False,
+        extra_args=["--port", str(port), "--bind", "127.0.0.1"],
+    )  # fmt: skip
+    srv.start()
+    try:
+        yield srv, f"redis://127.0.0.1:{port}/0"
+    finally:
+        srv.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_redis_killed_while_the_job_trains(
+    tcp_server: tuple[EmbeddedServer, str], as_json: bool
+) -> None:
+    """The job's redis-server is SIGKILLed while the job trains: `qps train` says so in
+    its summary (with the last global step it saw) and exits 5 (unavailable); every role
+    exits on its own, none is started again, none leaves a traceback (a shard's
+    shielded queue call used to fail unretrieved: "Task exception was never
+    retrieved"), and nothing is left running."""
+    server, url = tcp_server
+    c = _container()
+    args = ["--ps", "1", "--workers", "2", "--steps", "100000", "--log-every", "20",
+            "--container", c] + (["--json"] if as_json else [])  # fmt: skip
+    proc = _train(*args, url=url)
+    seen = _wait_for_line(proc, "worker1: step 20,")
+    step = redis.Redis.from_url(url).get(keys.counter_key(c, keys.GLOBAL_STEP))
+    assert step is not None and int(step) >= 20, step  # training: updates applied
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - killed
+    print(f"exited {took:.3f} s after the server was killed, status {proc.returncode}")
+    err = "".join(seen) + err
+    assert proc.returncode == 5, err[-3000:]
+    for text in ("Task exception was never retrieved", "Traceback"):
+        assert text not in out and text not in err, err[-3000:]
+    assert "starting it again" not in err, err[-3000:]
+    shown = re.escape(url)
+    if as_json:
+        result = json.loads(out)
+        assert result["stopped"] == "Redis unreachable", result
+        assert re.fullmatch(rf"Redis at {shown} became unreachable after [\d.]+ s",
+                            result["error"]), result  # fmt: skip
+        assert result["exit_code"] == 5 and result["restarts"] == {}, result
+    else:
+        last = out.strip().splitlines()[0]
+        assert re.fullmatch(
+            rf"failed: Redis at {shown} became unreachable after [\d.]+ s: test accuracy -, "
+            r"last global step [\d,]+, [\d,]+ examples in [\d.]+ s \([\d,]+ examples/s\), "
+            r"staleness p50 - / p99 -",
+            last,
+        ), out
+    assert f"qps train: Redis at {url} became unreachable" in err, err[-3000:]
+    assert _processes_of(c) == []

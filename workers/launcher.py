@@ -18,7 +18,15 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
   puts back what the dead one held, so every gradient is still applied exactly once; a
   restarted worker goes on after the last step it published;
 * a shard that fails for good, or Ctrl-C/SIGTERM, stops every process (SIGTERM, then SIGKILL
-  after a grace period): nothing is left running; a server started here is stopped;
+  after a grace period): nothing is left running; a server started here is stopped. A
+  stop request (the :class:`qps.stopping.Stopper` of ``qps train``) cuts every wait of
+  the set-up short (starting the server, connecting, taking the container's lease,
+  resuming, restoring a checkpoint: a restore cut short is undone), and the report
+  after it (the final parameters' metric) gets :data:`REPORT_SECONDS`;
+* Redis lost while the job runs (the launcher's own calls fail, or a role exits with
+  status 5 and Redis does not answer a PING): every role is stopped, none is started
+  again, and the result says so (``stopped`` "Redis unreachable", exit code 5) with
+  the last global step seen;
 * with ``metrics_port`` BASE, shard ``i`` serves its Prometheus metrics on BASE + i and
   worker ``k`` on BASE + num_shards + k (:meth:`TrainConfig.metrics_ports`; BASE 0:
   each picks a free port and logs it).
@@ -27,29 +35,29 @@ processes and ``num_workers`` ``qps worker`` processes, and watches them:
 refuse (an unknown model, optimizer or data set...).
 
 Exit status: 0 when the job ran to its end, 1 when a shard failed or no worker
-finished, 130 after Ctrl-C.
+finished, 5 when Redis became unreachable, 130 after Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import shlex
-import signal
-import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import qps
-from qps import owners, wire
+from qps import wire
+from qps.errors import QpsError, UnavailableError
 from qps.optimizers import make_optimizer
 from qps.ps import control
+from qps.stopping import Stopped, Stopper
 from qps.transport import redact_url
-from workers import job, lifecycle
+from workers import job, lifecycle, roles
 from workers.data import BUILTIN, builtin_split
 from workers.models import build_model
 from workers.trainconfig import BUILTIN_TRAIN_SIZES, TrainConfig, check_data, check_model
@@ -61,15 +69,24 @@ __all__ = [
     "TrainConfig",
     "check_data",
     "check_model",
+    "evaluate",
     "run_job",
 ]
 
-#: how long roles get to exit after SIGTERM before SIGKILL
-GRACE_SECONDS = 10.0
+T = TypeVar("T")
 
 #: the exit status of a role that refused its settings (qps.cli.EXIT_USAGE): it is never
 #: started again, as it would refuse them again
 EXIT_USAGE = 2
+#: the exit status of a role that cannot reach Redis (qps.cli.EXIT_UNAVAILABLE), and of
+#: a job whose Redis became unreachable
+EXIT_UNAVAILABLE = 5
+#: the exit status of a job stopped by a signal (Ctrl-C, SIGTERM)
+EXIT_INTERRUPTED = 130
+
+#: after a stop request: how long the report (the final parameters' metric, the
+#: staleness) may take, counted from the request, before the result goes without it
+REPORT_SECONDS = 1.5
 
 
 @dataclass
@@ -89,6 +106,8 @@ class JobResult:
     failed: dict[str, int] = field(default_factory=dict)  # role -> exit code
     restarts: dict[str, int] = field(default_factory=dict)  # role -> times restarted
     stopped: str = ""
+    #: what went wrong, in words, when the job could not go on (Redis unreachable)
+    error: str = ""
     restored_from: str | None = None  # the checkpoint the job started from
     restored_step: int | None = None
     resumed_from: str | None = None  # "redis" or "checkpoint": a rerun went on from it
@@ -114,6 +133,7 @@ class JobResult:
             "failed": self.failed,
             "restarts": self.restarts,
             "stopped": self.stopped,
+            "error": self.error,
             "restored_from": self.restored_from,
             "restored_step": self.restored_step,
             "resumed_from": self.resumed_from,
@@ -121,187 +141,223 @@ class JobResult:
         }
 
 
-class _Role:
-    def __init__(
-        self, name: str, proc: asyncio.subprocess.Process, args: list[str], env: dict[str, str]
-    ) -> None:
-        self.name = name
-        self.proc = proc
-        self.args = args
-        self.env = env
-        self.pump: asyncio.Task[None] | None = None
-
-
-async def _pump(role: _Role, emit: Callable[[str], None]) -> None:
-    stream = role.proc.stdout
-    assert stream is not None
-    while line := await stream.readline():
-        emit(f"[{role.name}] {line.decode(errors='replace').rstrip()}")
-
-
-async def _start(
-    name: str, args: list[str], emit: Callable[[str], None], extra: dict[str, str] | None = None
-) -> _Role:
-    """Start role ``name``: ``qps ARGS`` with this environment, less the metrics
-    variables, plus ``extra``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for var in ("QPS_METRICS_PORT", "QPS_METRICS_ADDR"):  # each role's port is in its args
-        env.pop(var, None)
-    env.update(extra or {})
-    env[owners.PARENT_ENV] = str(os.getpid())  # it stops if we die (owners.die_with_parent)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "qps.cli.main",
-        *args,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        start_new_session=True,  # our signals only: Ctrl-C reaches us, we stop them
-    )
-    role = _Role(name, proc, args, dict(extra or {}))
-    role.pump = asyncio.create_task(_pump(role, emit))
-    return role
-
-
-async def _stop_all(roles: list[_Role], grace: float = GRACE_SECONDS) -> None:
-    """SIGTERM every role still running, SIGKILL what is left after ``grace``."""
-    live = [r for r in roles if r.proc.returncode is None]
-    for r in live:
-        with contextlib.suppress(ProcessLookupError):
-            r.proc.send_signal(signal.SIGTERM)
-    if live:
-        await asyncio.wait([asyncio.ensure_future(r.proc.wait()) for r in live], timeout=grace)
-        for r in live:
-            if r.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    r.proc.kill()
-        await asyncio.gather(*(r.proc.wait() for r in live))
-    for r in roles:
-        if r.pump is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.pump, 5)
-
-
-#: ``progress(worker steps done, their total or None, text)``: see :func:`run_job`
-ProgressFn = Callable[[int, "int | None", str], None]
-
-
-async def _progress(client: qps.Client, container: str) -> tuple[int, int, float | None, int]:
-    """(global step, examples so far, chief's last loss, the workers' steps so far)
-    from the job's status."""
-    statuses = await job.read_statuses(client, container)
-    workers = [s for n, s in statuses.items() if n.startswith("worker")]
-    examples = sum(int(s.get("examples", 0)) for s in workers)
-    steps = sum(int(s.get("step", 0)) for s in workers)
-    loss = statuses.get("worker0", {}).get("loss")
-    step = await control.global_step_counter(client, container).get() if statuses else 0
-    return step, examples, loss, steps
-
-
 async def run_job(
     cfg: TrainConfig,
     emit: Callable[[str], None],
-    progress: ProgressFn | None = None,
-    stop: asyncio.Event | None = None,
+    progress: roles.ProgressFn | None = None,
+    stop: Stopper | None = None,
 ) -> JobResult:
     """Run the whole job (see the module docstring). ``emit`` prints one line of role
     output or news; ``progress`` is called about twice a second with the workers' steps
     so far, their total (``steps`` times the workers; None when the input is a queue,
     whose end is not known) and a line of text (None: no progress);
-    ``stop`` set (Ctrl-C): stop every role and return with exit code 130."""
-    server = None
-    url = cfg.url
-    if url is None:
-        server = qps.embedded.EmbeddedServer()
-        await asyncio.to_thread(server.start)
-        url = server.url
+    ``stop``: the process's stopper (``qps train`` runs this under it, with SIGTERM and
+    SIGINT): a stop request cuts the set-up short, or stops every role, and the job
+    returns with exit code 130 (after a report of at most :data:`REPORT_SECONDS`).
+
+    Raises:
+        UnavailableError: Redis cannot be reached as the job starts.
+    """
+    stopper = stop or Stopper()
+    stopped_at: list[float] = []  # when the stop was requested
+    stopper.on_stop(lambda: stopped_at.append(time.monotonic()))
     container = cfg.container or f"train-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     result = JobResult(container=container)
-    shards: list[_Role] = []
-    workers: list[_Role] = []  # restarted roles replace theirs in place
-    stop = stop or asyncio.Event()
+    shards: list[roles.Role] = []
+    workers: list[roles.Role] = []  # restarted roles replace theirs in place
+    server = None
+    url = cfg.url or ""
     start, started_at = time.monotonic(), time.time()
     try:
-        async with (
-            await qps.connect(url) as client,
-            lifecycle.LauncherLease(client, container) as lease,
-        ):
-            optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
-            plan = await lifecycle.resume(lease, cfg.checkpoint_dir, emit)  # before any role
+        if not url:
+            server = qps.embedded.EmbeddedServer()
+            async with stopper.interruptible("starting a Redis server"):
+                await asyncio.to_thread(server.start)
+            url = server.url
+        async with contextlib.AsyncExitStack() as stack:
+            async with stopper.interruptible("connecting to Redis"):
+                client = await qps.connect(url)
+            stack.push_async_callback(client.close)
+            async with stopper.interruptible("taking the container's lease"):
+                lease = await stack.enter_async_context(lifecycle.LauncherLease(client, container))
+            plan = await lifecycle.resume(lease, cfg.checkpoint_dir, emit, stopper)
             if plan.source != "fresh":
                 result.resumed_from, result.resumed_step = plan.source, plan.global_step
             if plan.checkpoint is not None:
                 result.restored_from, result.restored_step = str(plan.checkpoint), plan.global_step
-            sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
-            most = None
-            if cfg.max_message_mib is not None:
-                most = min(cfg.max_message_mib << 20, wire.MAX_MESSAGE_BYTES)
-            await control.configure(
-                client, container, cfg.num_shards, optimizer, sync=sync, max_message_bytes=most
-            )
-            emit(
-                f"qps train: container {container}: {cfg.num_shards} PS shard(s), "
-                f"{cfg.num_workers} worker(s), model {cfg.model}, {cfg.optimizer} "
-                f"lr {cfg.learning_rate}, {cfg.steps} steps per worker"
-                + (f", max staleness {cfg.max_staleness}" if cfg.max_staleness is not None else "")
-                + (
-                    f", synchronous ({cfg.sync_replicas} of {cfg.num_workers} per update)"
-                    if cfg.sync_replicas is not None
-                    else ""
-                )
-            )
-            emit(f"qps train: watch it: qps top --url {shlex.quote(redact_url(url))} "
-                 f"--container {container}")  # fmt: skip
-            ports = cfg.metrics_ports()
-            if ports:
-                emit(
-                    "qps train: metrics: "
-                    + ", ".join(
-                        f"{role} {_metrics_url(cfg.metrics_addr, port)}"
-                        if port
-                        else f"{role} (a free port, see its log)"
-                        for role, port in ports.items()
-                    )
-                )
+            await _configure(client, container, cfg, stopper)
+            _announce(cfg, container, url, emit)
+            test_split = _preload_test_split(cfg)
             for i in range(cfg.num_shards):
-                shards.append(
-                    await _start(f"ps{i}", cfg.shard_args(i, url, container), emit, cfg.role_env)
-                )
+                args = cfg.shard_args(i, url, container)
+                shards.append(await roles.start(f"ps{i}", args, emit, cfg.role_env))
             for k in range(cfg.num_workers):
                 args = cfg.worker_args(k, url, container)
-                workers.append(await _start(f"worker{k}", args, emit, cfg.role_env))
+                workers.append(await roles.start(f"worker{k}", args, emit, cfg.role_env))
             steps_total = None if cfg.data.startswith("queue:") else cfg.steps * cfg.num_workers
             result.exit_code = await _watch(
-                client, container, shards, workers, result, progress, stop, emit,
+                client, container, shards, workers, result, progress, stopper, emit,
                 cfg.sync_replicas, steps_total, cfg.restarts,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
-            if result.exit_code == 130:  # interrupted: the roles stop at once (no eval)
-                await _stop_all(shards + workers)
-            result.global_step, result.examples, result.last_loss, _ = await _progress(
-                client, container
-            )
-            got = None
-            if result.exit_code in (0, 130):  # the parameters the job ended with
-                got = await evaluate(client, container, cfg)
-            got = got or await lifecycle.chief_metric(client, container, started_at)
-            if got is not None:
-                result.test_metric, result.test_value = got
-            total: dict[int, int] = {}
-            for i in range(cfg.num_shards):
-                st = await control.shard_status(client, container, i)
-                for hist in st.staleness.values():
-                    for b, n in hist.items():
-                        total[b] = total.get(b, 0) + n
-            result.staleness_p50 = control.staleness_percentile(total, 0.5)
-            result.staleness_p99 = control.staleness_percentile(total, 0.99)
+            if result.exit_code == EXIT_INTERRUPTED:  # the roles stop at once (no eval)
+                await roles.stop_all(shards + workers)
+            if result.exit_code != EXIT_UNAVAILABLE:
+                report = _report(client, container, cfg, result, started_at, test_split)
+                try:
+                    if not await _within_stop_budget(report, stopper, stopped_at):
+                        emit(
+                            f"qps train: no final metrics: not read within {REPORT_SECONDS:g} s "
+                            "of the stop"
+                        )
+                except UnavailableError:
+                    result.exit_code, result.stopped = EXIT_UNAVAILABLE, "Redis unreachable"
+            if result.exit_code == EXIT_UNAVAILABLE:
+                result.error = (
+                    f"Redis at {redact_url(url)} became unreachable after "
+                    f"{time.monotonic() - start:.1f} s"
+                )
+                emit(f"qps train: {result.error}: stopping every role")
+                await roles.stop_all(shards + workers)
+    except Stopped as exc:  # a stop request cut the set-up short
+        result.exit_code, result.stopped = EXIT_INTERRUPTED, "interrupted"
+        result.seconds = time.monotonic() - start
+        emit(f"qps train: stopped ({exc})")
+    except asyncio.CancelledError:
+        if not stopper.overran:
+            raise
+        # not stopped in time after the signal (a wait that was not cut short): the
+        # stopper cancelled us; what is known is reported
+        result.exit_code, result.stopped = EXIT_INTERRUPTED, "interrupted"
     finally:
-        await _stop_all(shards + workers)
+        await roles.stop_all(shards + workers)
         if server is not None:
             await asyncio.to_thread(server.stop)
     return result
+
+
+async def _configure(
+    client: qps.Client, container: str, cfg: TrainConfig, stopper: Stopper
+) -> None:
+    """Record the PS job (shards, optimizer, synchronous updates, message size)."""
+    optimizer = make_optimizer(cfg.optimizer, learning_rate=cfg.learning_rate)
+    sync = None if cfg.sync_replicas is None else (cfg.sync_replicas, cfg.num_workers)
+    most = None
+    if cfg.max_message_mib is not None:
+        most = min(cfg.max_message_mib << 20, wire.MAX_MESSAGE_BYTES)
+    async with stopper.interruptible("recording the PS job"):
+        await control.configure(
+            client, container, cfg.num_shards, optimizer, sync=sync, max_message_bytes=most
+        )
+
+
+def _announce(cfg: TrainConfig, container: str, url: str, emit: Callable[[str], None]) -> None:
+    """Say what runs, how to watch it, and where the metrics are."""
+    emit(
+        f"qps train: container {container}: {cfg.num_shards} PS shard(s), "
+        f"{cfg.num_workers} worker(s), model {cfg.model}, {cfg.optimizer} "
+        f"lr {cfg.learning_rate}, {cfg.steps} steps per worker"
+        + (f", max staleness {cfg.max_staleness}" if cfg.max_staleness is not None else "")
+        + (
+            f", synchronous ({cfg.sync_replicas} of {cfg.num_workers} per update)"
+            if cfg.sync_replicas is not None
+            else ""
+        )
+    )
+    emit(f"qps train: watch it: qps top --url {shlex.quote(redact_url(url))} "
+         f"--container {container}")  # fmt: skip
+    ports = cfg.metrics_ports()
+    if ports:
+        emit(
+            "qps train: metrics: "
+            + ", ".join(
+                f"{role} {_metrics_url(cfg.metrics_addr, port)}"
+                if port
+                else f"{role} (a free port, see its log)"
+                for role, port in ports.items()
+            )
+        )
+
+
+async def _report(
+    client: qps.Client,
+    container: str,
+    cfg: TrainConfig,
+    result: JobResult,
+    started_at: float,
+    test_split: asyncio.Future[Any] | None,
+) -> None:
+    """Fill ``result`` in: the job's progress, the metric of its final parameters (or
+    the chief's last), the staleness percentiles."""
+    result.global_step, result.examples, result.last_loss, _ = await roles.progress(
+        client, container
+    )
+    got = None
+    if result.exit_code in (0, EXIT_INTERRUPTED):  # the parameters the job ended with
+        got = await evaluate(client, container, cfg, test_split)
+    got = got or await lifecycle.chief_metric(client, container, started_at)
+    if got is not None:
+        result.test_metric, result.test_value = got
+    total: dict[int, int] = {}
+    for i in range(cfg.num_shards):
+        st = await control.shard_status(client, container, i)
+        for hist in st.staleness.values():
+            for b, n in hist.items():
+                total[b] = total.get(b, 0) + n
+    result.staleness_p50 = control.staleness_percentile(total, 0.5)
+    result.staleness_p99 = control.staleness_percentile(total, 0.99)
+
+
+async def _within_stop_budget(aw: Awaitable[None], stopper: Stopper, since: list[float]) -> bool:
+    """Run ``aw`` to its end, or, once a stop is requested (at ``since[0]``), until
+    :data:`REPORT_SECONDS` after the request. Returns whether it ended."""
+    task = asyncio.ensure_future(aw)
+    stopping = asyncio.ensure_future(stopper.event.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            left = (since[0] if since else time.monotonic()) + REPORT_SECONDS - time.monotonic()
+            await asyncio.wait({task}, timeout=max(0.0, left))
+        if task.done():
+            task.result()  # its failure, if any
+            return True
+        return False
+    finally:
+        for t in (task, stopping):
+            t.cancel()
+        await asyncio.gather(task, stopping, return_exceptions=True)
+
+
+def _preload_test_split(cfg: TrainConfig) -> asyncio.Future[Any] | None:
+    """The test split :func:`evaluate` scores on, read on a thread of its own while the
+    job trains (loading scikit-learn's digits takes seconds on a busy machine: an
+    interrupted job's report would wait for it). A daemon thread, not
+    ``asyncio.to_thread``: the event loop's end does not wait for it. None when the
+    data is not built in."""
+    if cfg.data not in BUILTIN:
+        return None
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+
+    def read() -> None:
+        try:
+            value, exc = builtin_split(cfg.data, build_model(cfg.model))[1], None
+        except Exception as e:
+            value, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, value, exc)
+
+    threading.Thread(target=read, name="qps-train-test-split", daemon=True).start()
+    return fut
 
 
 def _metrics_url(addr: str, port: int) -> str:
@@ -309,14 +365,22 @@ def _metrics_url(addr: str, port: int) -> str:
 
 
 async def evaluate(
-    client: qps.Client, container: str, cfg: TrainConfig
+    client: qps.Client,
+    container: str,
+    cfg: TrainConfig,
+    test_split: asyncio.Future[Any] | None = None,
 ) -> tuple[str, float] | None:
-    """The test metric of the job's final parameters (built-in data sets only)."""
+    """The test metric of the job's final parameters (built-in data sets only), on
+    ``test_split`` when given (:func:`_preload_test_split`; the split of ``cfg.model``)."""
     if cfg.data not in BUILTIN:
         return None
     ready = await job.is_ready(client, container)  # the model the chief trained
-    model = build_model(str(ready["model"]) if ready else cfg.model)
-    _, test = await asyncio.to_thread(builtin_split, cfg.data, model)
+    spec = str(ready["model"]) if ready else cfg.model
+    model = build_model(spec)
+    if test_split is not None and (spec == cfg.model or cfg.data != "ctr"):
+        test = await asyncio.shield(test_split)  # only ctr's split depends on the model
+    else:
+        _, test = await asyncio.to_thread(builtin_split, cfg.data, model)
     async with qps.Session(client=client, container=container) as sess:
         return await evaluate_params(sess, model, test)
 
@@ -324,11 +388,11 @@ async def evaluate(
 async def _watch(
     client: qps.Client,
     container: str,
-    shards: list[_Role],
-    workers: list[_Role],
+    shards: list[roles.Role],
+    workers: list[roles.Role],
     result: JobResult,
-    progress: ProgressFn | None,
-    stop: asyncio.Event,
+    progress: roles.ProgressFn | None,
+    stopper: Stopper,
     emit: Callable[[str], None],
     sync_replicas: int | None = None,
     total_steps: int | None = None,
@@ -338,9 +402,46 @@ async def _watch(
     training ends once fewer than ``sync_replicas`` workers run: no update can form. A
     role that dies is started again (in place, in ``shards``/``workers``) up to
     ``restarts`` times; after that its failure counts. One that exits with
-    :data:`EXIT_USAGE` refused its settings: its failure counts at once."""
+    :data:`EXIT_USAGE` refused its settings: its failure counts at once. Redis lost
+    (a call of ours fails, or a role exits with :data:`EXIT_UNAVAILABLE`, and Redis
+    does not answer a PING) ends the watch at once: nothing is started again.
+    ``result`` gets the progress as it is read. Returns the job's exit code."""
+    stopping = asyncio.ensure_future(stopper.event.wait())
+    try:
+        return await _watch_roles(
+            client, container, shards, workers, result, progress, stopping, stopper, emit,
+            sync_replicas, total_steps, restarts,
+        )  # fmt: skip
+    except Stopped:
+        result.stopped = "interrupted"
+        emit("qps train: stopping every role")
+        return EXIT_INTERRUPTED
+    except _RedisLost:
+        result.stopped = "Redis unreachable"
+        return EXIT_UNAVAILABLE
+    finally:
+        stopping.cancel()
+
+
+class _RedisLost(Exception):
+    """Redis does not answer: the job cannot go on."""
+
+
+async def _watch_roles(
+    client: qps.Client,
+    container: str,
+    shards: list[roles.Role],
+    workers: list[roles.Role],
+    result: JobResult,
+    progress: roles.ProgressFn | None,
+    stopping: asyncio.Future[Any],
+    stopper: Stopper,
+    emit: Callable[[str], None],
+    sync_replicas: int | None,
+    total_steps: int | None,
+    restarts: int,
+) -> int:
     waits = {asyncio.ensure_future(r.proc.wait()): r for r in shards + workers}
-    stopping = asyncio.ensure_future(stop.wait())
     running_workers = set(workers)
     finished = False
     t0 = time.monotonic()
@@ -349,12 +450,17 @@ async def _watch(
             [*waits, stopping], timeout=0.5, return_when=asyncio.FIRST_COMPLETED
         )
         if stopping in done:
-            result.stopped = "interrupted"
-            emit("qps train: stopping every role")
-            return 130
+            raise Stopped(stopper.reason)
         for fut in done:
             role = waits.pop(fut)
             code = role.proc.returncode
+            if code == EXIT_UNAVAILABLE:
+                async with stopper.interruptible("asking whether Redis answers"):
+                    if not await roles.answers(client):
+                        emit(f"qps train: {role.name} exited with status {code}: Redis "
+                             "does not answer: not started again")  # fmt: skip
+                        result.failed[role.name] = code
+                        raise _RedisLost
             again_ok = code not in (0, EXIT_USAGE)
             if again_ok and result.restarts.get(role.name, 0) < restarts:
                 n = result.restarts[role.name] = result.restarts.get(role.name, 0) + 1
@@ -365,7 +471,7 @@ async def _watch(
                 if role.pump is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(role.pump, 5)
-                again = await _start(role.name, role.args, emit, role.env)
+                again = await roles.start(role.name, role.args, emit, role.env)
                 for group in (shards, workers):
                     if role in group:
                         group[group.index(role)] = again
@@ -383,21 +489,33 @@ async def _watch(
             elif code != 0 and not finished:  # a shard failed: the job cannot go on
                 result.stopped = f"{role.name} failed"
                 return 1
-        if not finished and sync_replicas is not None and 0 < len(running_workers) < sync_replicas:
-            emit(
-                f"qps train: {len(running_workers)} worker(s) left, fewer than the "
-                f"{sync_replicas} an update needs: finishing the job"
-            )
-            finished = True
-            await control.mark_finished(client, container)
-        if not running_workers and not finished:
-            finished = True
-            if len(result.failed) >= len(workers):
-                result.stopped = "every worker failed"
-                return 1
-            await control.mark_finished(client, container)
+        try:
+            async with stopper.interruptible("reading the job's progress"):
+                if (
+                    not finished
+                    and sync_replicas is not None
+                    and 0 < len(running_workers) < sync_replicas
+                ):
+                    emit(
+                        f"qps train: {len(running_workers)} worker(s) left, fewer than the "
+                        f"{sync_replicas} an update needs: finishing the job"
+                    )
+                    finished = True
+                    await control.mark_finished(client, container)
+                if not running_workers and not finished:
+                    finished = True
+                    if len(result.failed) >= len(workers):
+                        result.stopped = "every worker failed"
+                        return 1
+                    await control.mark_finished(client, container)
+                step, examples, loss, steps = await roles.progress(client, container)
+        except QpsError as exc:
+            if await roles.answers(client):  # a moment's trouble: go on
+                emit(f"qps train: could not read the job's progress: {exc}")
+                continue
+            raise _RedisLost from exc
+        result.global_step, result.examples, result.last_loss = step, examples, loss
         if progress is not None:
-            step, examples, loss, steps = await _progress(client, container)
             rate = examples / max(time.monotonic() - t0, 1e-9)
             loss_text = "-" if loss is None else f"{loss:.4f}"
             progress(
@@ -405,7 +523,6 @@ async def _watch(
                 total_steps,
                 f"global step {step:,}, {rate:,.0f} examples/s, loss {loss_text}",
             )
-    stopping.cancel()
     if any(r.name in result.failed for r in shards):
         result.stopped = "a shard failed"
         return 1

@@ -34,15 +34,16 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qps import checkpoint, keys, owners
-from qps.containers import scan_container_keys
+from qps.containers import reset, scan_container_keys
 from qps.errors import FailedPreconditionError, NotFoundError
 from qps.ps import control
+from qps.stopping import Stopped, Stopper
 from qps.transport import Client, map_errors
 from workers import job
 
@@ -64,6 +65,11 @@ log = logging.getLogger("qps.train")
 LEASE_MS = 15_000
 #: how often a launcher renews it
 RENEW_SECONDS = LEASE_MS / 3000.0
+
+#: how long a launcher waits for Redis to delete its lease as it ends
+RELEASE_SECONDS = 0.5
+#: how long a launcher stopped while it restored a checkpoint waits to undo the restore
+UNDO_SECONDS = 1.0
 
 #: the names the chief gives its checkpoints (``<dir>/model-<step>``)
 CHECKPOINT_NAME = re.compile(r"model-\d+")
@@ -207,12 +213,12 @@ class LauncherLease:
         await self.release()
 
     async def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours."""
+        """Stop renewing and delete the lease if it is still ours, waiting at most
+        :data:`RELEASE_SECONDS` for Redis (gone or hung, the lease runs out instead)."""
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self._renew("")
+        await _bounded(self._renew(""), RELEASE_SECONDS)
 
 
 @dataclass
@@ -298,25 +304,61 @@ async def plan_resume(client: Client, container: str, checkpoint_dir: str | None
 
 
 async def resume(
-    lease: LauncherLease, checkpoint_dir: str | None, emit: Callable[[str], None]
+    lease: LauncherLease,
+    checkpoint_dir: str | None,
+    emit: Callable[[str], None],
+    stopper: Stopper | None = None,
 ) -> ResumePlan:
     """Before any role of the launcher holding ``lease`` starts: plan where its job
     starts (:func:`plan_resume`), print it, and restore the checkpoint it names (over
     the container's state if need be; the lease is then set again).
 
+    A stop request of ``stopper`` cuts the planning and the restore short; a restore
+    cut short is undone (the container reset, within :data:`UNDO_SECONDS`), so that the
+    rerun restores the checkpoint again rather than find a container it must refuse.
+
     Raises:
         FailedPreconditionError: the container holds a job that finished, or another
             launcher took the container over while the checkpoint was restored.
+        Stopped: the stop request came first.
     """
-    plan = await plan_resume(lease.client, lease.container, checkpoint_dir)
+    stopper = stopper or Stopper()
+    async with stopper.interruptible("planning where the job resumes"):
+        plan = await plan_resume(lease.client, lease.container, checkpoint_dir)
     if plan.line:
         emit(plan.line)
     if plan.checkpoint is not None:
-        await checkpoint.restore(
-            lease.client, plan.checkpoint, container=lease.container, overwrite=plan.overwrite
-        )
+        try:
+            async with stopper.interruptible(f"restoring checkpoint {plan.checkpoint}"):
+                await checkpoint.restore(
+                    lease.client,
+                    plan.checkpoint,
+                    container=lease.container,
+                    overwrite=plan.overwrite,
+                )
+        except Stopped:
+            emit(f"qps train: stopped while restoring {plan.checkpoint}: undoing it")
+            await _bounded(reset(lease.client, [lease.container]), UNDO_SECONDS, "undo the restore")
+            raise
         await lease.reassert()  # a restore over the container reset it
     return plan
+
+
+async def _bounded(aw: Awaitable[Any], seconds: float, what: str = "") -> None:
+    """Run ``aw`` for at most ``seconds``; its failure is logged (a warning that it
+    could not ``what``; at DEBUG without), not raised."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task}, timeout=seconds)
+    finally:
+        if not task.done():
+            task.cancel()
+        for got in await asyncio.gather(task, return_exceptions=True):
+            if isinstance(got, Exception):
+                if what:
+                    log.warning("could not %s: %s", what, got)
+                else:
+                    log.debug("ignored: %r", got)
 
 
 def prune_checkpoints(

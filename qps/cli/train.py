@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json as jsonlib
-import signal
+import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -15,6 +14,20 @@ from qps import backend
 from qps.cli import EXIT_USAGE, CliError, json_option, run_async, url_option
 from qps.cli.progress import Progress
 from qps.ps.messages import GRAD_DTYPES
+from qps.stopping import Stopped, Stopper
+
+if TYPE_CHECKING:
+    from workers.launcher import JobResult
+
+log = logging.getLogger("qps.train")
+
+#: after SIGTERM/SIGINT, ``qps train`` cuts its waits short and stops its roles (each
+#: exits within 1.5 s: qps.stopping), then reports within REPORT_SECONDS
+#: (workers.launcher): it is done within about 2 s. Should something not be cut short,
+#: its main task is cancelled this long after the signal (the summary still printed),
+#: and it exits at once (status 130) at the deadline.
+STOP_GRACE_SECONDS = 3.0
+STOP_DEADLINE_SECONDS = 4.0
 
 #: the examples ``--example`` names: option defaults for each
 EXAMPLES: dict[str, dict[str, Any]] = {
@@ -315,7 +328,10 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
     A setting no role could run with (an unknown model, optimizer or data set, a bad
     value in --config) is refused before anything starts (exit status 2).
     Ctrl-C stops every role (SIGTERM, then SIGKILL after 10 s): nothing is left
-    running. A role that dies is started again (--restarts, 3 times each by default;
+    running; `qps train` is done within about 2 s, its set-up included (exit status
+    130). Redis lost while the job runs stops it too: the roles are not started
+    again, the summary gives the last global step (exit status 5).
+    A role that dies is started again (--restarts, 3 times each by default;
     never one that exits with status 2, a usage error): every gradient is still applied
     exactly once. Past that, a worker that crashes does
     not stop an asynchronous job; a shard that fails stops it (exit status 1).
@@ -361,31 +377,22 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
             return
         bar.line(line)
 
+    stopper = Stopper(grace=STOP_GRACE_SECONDS, deadline=STOP_DEADLINE_SECONDS)
+
     async def main() -> Any:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            return await run_job(cfg, emit, bar.update, stop)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        return await stopper.run(run_job(cfg, emit, bar.update, stopper), "qps train", log)
 
     with bar:
-        result = run_async(main())
+        try:
+            result = run_async(main())
+        except Stopped:  # cancelled before run_job could say (a stop it did not see)
+            stopper.ended(130)
+            raise click.exceptions.Exit(130) from None
+    stopper.ended(result.exit_code)  # what the watchdog exits with, should it fire now
     if json:
         click.echo(jsonlib.dumps(result.as_dict(), indent=2))
     else:
-        metric = result.test_metric or "accuracy"
-        value = "-" if result.test_value is None else f"{result.test_value:.4f}"
-        p50 = "-" if result.staleness_p50 is None else str(result.staleness_p50)
-        p99 = "-" if result.staleness_p99 is None else str(result.staleness_p99)
-        click.echo(
-            f"{result.stopped}: test {metric} {value}, global step {result.global_step:,}, "
-            f"{result.examples:,} examples in {result.seconds:.1f} s "
-            f"({result.examples_per_second:,.0f} examples/s), staleness p50 {p50} / p99 {p99}"
-        )
+        click.echo(summary(result))
         if result.failed:
             click.echo(
                 "roles that failed: "
@@ -393,6 +400,24 @@ def train(ctx: click.Context, /, quiet: bool, json: bool, **flags: Any) -> None:
             )
     if result.exit_code:
         sys.exit(result.exit_code)
+
+
+def summary(result: JobResult) -> str:
+    """The last line of ``qps train``: how the job ended (``finished``,
+    ``interrupted``, ``ps0 failed``...; ``failed: Redis at URL became unreachable after
+    N s`` with the last global step seen), the test metric, the global step, the
+    examples and their rate, the staleness."""
+    metric = result.test_metric or "accuracy"
+    value = "-" if result.test_value is None else f"{result.test_value:.4f}"
+    p50 = "-" if result.staleness_p50 is None else str(result.staleness_p50)
+    p99 = "-" if result.staleness_p99 is None else str(result.staleness_p99)
+    how = f"failed: {result.error}" if result.error else result.stopped
+    last = "last " if result.error else ""
+    return (
+        f"{how}: test {metric} {value}, {last}global step {result.global_step:,}, "
+        f"{result.examples:,} examples in {result.seconds:.1f} s "
+        f"({result.examples_per_second:,.0f} examples/s), staleness p50 {p50} / p99 {p99}"
+    )
 
 
 def _role_env(ctx: click.Context) -> dict[str, str]:
