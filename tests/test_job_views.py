@@ -10,37 +10,21 @@ status`) show of a job run by the roles' own code, or written as they write it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-import qps
 from qps import containers, keys
-from qps.cli.main import cli
 from qps.optimizers import SGD
 from qps.ps import control, gradlist
 from tests.conftest import within
+from tests.test_job_cli import _run, invoke
 from tests.test_ps_shard import C, Job
 from tests.test_top import build_job
 from workers import monitor
 from workers.worker import Worker, WorkerConfig
-
-
-def invoke(*args: str, input: str | None = None) -> Result:
-    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
-
-
-def _run(url: str, fn: Any) -> Any:
-    async def go() -> Any:
-        async with await qps.connect(url) as c:
-            return await fn(c)
-
-    return asyncio.run(go())
-
 
 # -- a job run by the roles' code ------------------------------------------------------------
 
