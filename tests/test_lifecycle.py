@@ -205,9 +205,13 @@ def test_a_rerun_resumes_from_a_newer_checkpoint_keeps_n_and_stops_at_the_global
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     kept = checkpoint.list_checkpoints(ck)
-    assert len(kept) == 2, [str(i.path) for i in kept]  # of about 10 written
-    assert kept[-1].global_step >= 540, kept
-    assert len(re.findall(r"deleted old checkpoint", err)) >= 6, err[-3000:]
+    # how many the chief writes depends on its pace (it checks at its log points): the
+    # newest 2 of them are kept, every other one deleted
+    written = [int(g) for g in re.findall(r"checkpoint \S+ at global step (\d+)", err)]
+    assert len(written) >= 3, err[-3000:]
+    assert len(kept) == 2, [str(i.path) for i in kept]
+    assert [i.global_step for i in kept] == sorted(written)[-2:], (kept, written)
+    assert len(re.findall(r"deleted old checkpoint", err)) == len(written) - 2, err[-3000:]
 
     c = _container()  # a job left at an older step than the newest checkpoint
     got = _qps("checkpoint", "restore", str(kept[0].path), "--url", redis_url,
