@@ -463,7 +463,9 @@ def test_train(server: EmbeddedServer, container: str, roles: Callable[..., Role
     out = t.output[-3000:]
     print(f"exited {took:.3f} s after {_signame(sig)}, status {t.proc.returncode}")
     assert t.proc.returncode == 130, out
-    assert took <= BOUND, f"exited {took:.3f} s after {_signame(sig)} (bound {BOUND:g} s):\n{out}"
+    # the launcher stops its roles, then evaluates the parameters (at most 1.5 s): 0.4 to
+    # 0.6 s here when idle, 2.3 s once beside two busy loops and another test session
+    assert took <= TRAIN_BOUND, f"exited {took:.3f} s after {_signame(sig)}:\n{out}"
     assert "qps train: stopping every role" in out, out
     for role in ("ps0", "worker0", "worker1"):  # each stopped at once on the launcher's SIGTERM
         said = [ln for ln in t.lines if ln.startswith(f"[{role}]") and "stopped (SIGTERM)" in ln]

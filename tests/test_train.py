@@ -252,6 +252,7 @@ def test_sync_mode_with_a_backup_worker_survives_a_killed_worker(train: Train) -
     assert _processes_of(c) == []
 
 
+@pytest.mark.no_cluster("the gradient lists are a single server's")
 def test_sync_with_a_backup_leaves_no_message_behind(redis_url: str) -> None:
     """Backup workers: the last update's gradients of the workers still running when the
     job finished can never be aggregated; the shards drop and count them instead of

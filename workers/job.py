@@ -254,13 +254,15 @@ async def request_stop(
     record = {"reason": reason, "time": time.time()}
     key = _key(container, "stop")
     with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
+        # in order, not in a transaction (redis-py's cluster pipelines fail on one): a
+        # waiter registered after the SMEMBERS looks for the mark after it, and finds it
+        pipe = client.commands.pipeline(transaction=False)
         pipe.set(key, json.dumps(record), nx=True)
         pipe.get(key)
         pipe.smembers(_key(container, "stop:waiters"))
         _, raw, wakes = await pipe.execute()
         if wakes:  # each registered before it looked for the mark: none is missed
-            pipe = client.commands.pipeline(transaction=True)
+            pipe = client.commands.pipeline(transaction=False)
             for wake in sorted(wakes):
                 pipe.rpush(wake, 1)
                 pipe.ltrim(wake, -1, -1)
