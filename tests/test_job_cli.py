@@ -74,6 +74,10 @@ async def test_wait_for_running_needs_every_shard_and_worker_up(make_client):
     with pytest.raises(DeadlineExceededError, match=r"to serving .*\(the container holds no job"):
         await monitor.wait_for(role, c, "serving", timeout=0.1)
     await control.configure(role, c, 2, make_optimizer("sgd", learning_rate=0.1))
+    # a worker waiting for the chief publishes a status: the job is not running yet
+    await job.publish_status(role, c, "worker1", {"state": "waiting", "step": 0})
+    with pytest.raises(DeadlineExceededError, match=r"\(the model is not ready, .*0 of 1"):
+        await monitor.wait_for(role, c, "running", timeout=0.2)
     await job.mark_ready(role, c, 2, {"model": "mlp:4,3"})
     await _shard_up(role, c, 0, "running")
     with pytest.raises(DeadlineExceededError, match=r"to serving .*\(shard 1 never started\)"):

@@ -231,9 +231,9 @@ def reached(snap: JobSnapshot, state: str) -> bool:
 
     * ``serving``: the PS job is configured and every one of its shards holds its lease
       and runs (workers may push), or the job is past that;
-    * ``running``: every PS shard holds its lease and runs, and every worker has
-      published a status (as many as the chief's ready mark says; at least one), or
-      the job is past running (done, stopping, finished);
+    * ``running``: the chief made the model ready, every PS shard holds its lease and
+      runs, and every worker (as many as the ready mark says) has published a status
+      other than ``waiting`` (for the chief), or the job is past running;
     * ``done``: every worker is done;
     * ``finished``: the PS job is marked finished and no shard runs any more.
     """
@@ -245,8 +245,11 @@ def reached(snap: JobSnapshot, state: str) -> bool:
     if state == "running":
         if past:
             return True
-        wanted = _int((snap.ready or {}).get("num_workers"), 1)
-        return shards_running and len(snap.workers) >= max(1, wanted)
+        if snap.ready is None:  # the chief has not made the model ready yet
+            return False
+        wanted = _int(snap.ready.get("num_workers"), 1)
+        active = [w for w in snap.workers if w.state != "waiting"]  # (for the chief)
+        return shards_running and len(active) >= max(1, wanted)
     if state == "done":
         return workers_done
     if state == "finished":
@@ -290,7 +293,9 @@ def _short_of(snap: JobSnapshot, state: str) -> str:
         return ", ".join(shards) if snap.num_shards is not None else "no PS job configured"
     if state == "running":
         wanted = max(1, _int((snap.ready or {}).get("num_workers"), 1))
-        return ", ".join([*shards, f"{len(snap.workers)} of {wanted} worker(s) reported"])
+        active = sum(w.state != "waiting" for w in snap.workers)
+        ready = [] if snap.ready is not None else ["the model is not ready"]
+        return ", ".join([*ready, *shards, f"{active} of {wanted} worker(s) reported"])
     if state == "done":
         busy = [f"{w.name} {w.state}" for w in snap.workers if not w.done]
         return ", ".join(busy) or "no worker reported"
