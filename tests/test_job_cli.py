@@ -233,6 +233,8 @@ def test_stop_marks_the_job_and_waits_for_the_workers(redis_url: str, built: str
     _run(redis_url, worker0_ends)
     r = invoke("job", "stop", "-y", "--timeout", "10", "--url", redis_url, "--container", built)
     assert r.exit_code == 0, r.output
+    # the queues were closed by the first stop (or by the last worker): still said the same way
+    assert "PS job marked finished (2 gradient queue(s) closed)" in r.output
     assert "2 worker(s) done at global step 7" in r.output
     assert "worker0: done, 11 step(s)" in r.output and "shard 1: finished" in r.output
 

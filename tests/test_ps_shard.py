@@ -756,3 +756,18 @@ async def test_deliveries_a_dead_owner_held_are_applied_before_finishing(
     assert await sess.global_step() == 3
     assert (await sess.pull("w")).value.tolist() == [-3.0]
     assert await grads.held() == 0 and await grads.size() == 0
+
+
+async def test_marking_finished_twice_at_once_succeeds_for_both(job: Job) -> None:
+    """A chief that stops and `qps job stop` both mark the job finished; the one that
+    lost the race to close a gradient queue used to fail with 'already closed'."""
+    sess = await job.session()
+    await qps.ps.configure(sess.client, C, 3, SGD(learning_rate=1.0))
+    other = await job.make_client()
+    counts = await asyncio.gather(
+        control.mark_finished(sess.client, C), control.mark_finished(other, C)
+    )
+    assert sum(counts) == 3  # each queue closed once, by one of them
+    for shard in range(3):
+        assert await control.gradient_queue(sess.client, C, shard).is_closed()
+    assert await control.mark_finished(sess.client, C) == 0

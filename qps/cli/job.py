@@ -385,7 +385,8 @@ async def _stop(
     await job_marks.request_stop(client, container)
     closed = 0
     if snap.num_shards is not None:
-        closed = await control.mark_finished(client, container)
+        await control.mark_finished(client, container)
+        closed = snap.num_shards  # all closed now, whether by this call or by the last worker
     done: list[str] = []
     if timeout is not None:
         done = await job_marks.wait_workers_done(client, container, timeout)

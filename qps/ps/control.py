@@ -20,6 +20,7 @@ import numpy as np
 from qps import keys, placement, wire
 from qps.containers import Counter
 from qps.errors import (
+    CancelledError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -354,7 +355,9 @@ def global_step_counter(client: Client, container: str) -> Counter:
 async def mark_finished(client: Client, container: str) -> int:
     """Mark the job of ``container`` finished: every shard applies what its queue still
     holds and exits 0 (TF's PS never exits: issue #4713). Later pushes fail with
-    :class:`~qps.errors.CancelledError`. Returns the number of gradient queues closed.
+    :class:`~qps.errors.CancelledError`. Returns the number of gradient queues this call
+    closed; callers may race (a chief stopping and ``qps job stop`` at once) and each
+    succeeds.
 
     Raises:
         FailedPreconditionError: no PS job is configured in the container.
@@ -368,7 +371,10 @@ async def mark_finished(client: Client, container: str) -> int:
     for shard in range(cfg.num_shards):
         q = gradient_queue(client, container, shard, cfg.queue_capacity)
         if not await q.is_closed():
-            await q.close()
+            try:
+                await q.close()
+            except CancelledError:  # closed in between by another caller (the chief, a CLI)
+                continue
             closed += 1
     if not client.cluster:  # wake shards blocked on their gradient lists
         with map_errors():
