@@ -57,8 +57,9 @@ ROOT = "qps"
 CONTAINERS = f"{ROOT}:containers"
 DEFAULT_CONTAINER = "default"
 
-_CONTAINER_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]{1,200}$")
+# fullmatch, not match with "$": "$" also matches before a final newline ("a\n")
+_CONTAINER_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
 
 
 def check_container(container: str) -> str:
@@ -67,7 +68,7 @@ def check_container(container: str) -> str:
     Raises:
         InvalidArgumentError: empty, too long, or a character outside ``[A-Za-z0-9_.:-]``.
     """
-    if not isinstance(container, str) or not _CONTAINER_RE.match(container):
+    if not isinstance(container, str) or not _CONTAINER_RE.fullmatch(container):
         from qps.errors import InvalidArgumentError  # only on failure: a hot path
 
         raise InvalidArgumentError(
@@ -82,7 +83,7 @@ def check_name(name: str) -> str:
     Raises:
         InvalidArgumentError: empty, too long, or a character outside ``[A-Za-z0-9_.:/-]``.
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         from qps.errors import InvalidArgumentError  # only on failure: a hot path
 
         raise InvalidArgumentError(
@@ -215,7 +216,7 @@ def container_of(key: str | bytes) -> str | None:
         return None
     tag = key[len(head) : end]
     container = tag.split("/", 1)[0]
-    return container if _CONTAINER_RE.match(container) else None
+    return container if _CONTAINER_RE.fullmatch(container) else None
 
 
 def kind_of(key: str | bytes) -> str | None:

@@ -96,7 +96,7 @@ __all__ = [
 #: A commit's applied-message id is forgotten after this long even if never released
 #: (the PS shard releases it once the message is acknowledged).
 APPLIED_KEEP_MS = 24 * 3600 * 1000
-_SLOT_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+_SLOT_RE = re.compile(r"[A-Za-z0-9_]{1,64}")
 #: Data written for a publish (or staged rows) expires unless its script commits it.
 STAGE_TTL_MS = 600_000
 #: The previous generation stays readable this long after a flip (or until the next).
@@ -930,7 +930,7 @@ class Variable:
         return _int(reply[1])
 
     def _check_slot_name(self, name: Any) -> str:
-        if not isinstance(name, str) or not _SLOT_RE.match(name):
+        if not isinstance(name, str) or not _SLOT_RE.fullmatch(name):
             raise InvalidArgumentError(f"invalid slot name {name!r}: use [A-Za-z0-9_]{{1,64}}")
         return name
 

@@ -100,6 +100,16 @@ def test_key_patterns_and_parsing() -> None:
     assert keys.glob_escape("a*b?[c]\\") == "a\\*b\\?\\[c\\]\\\\"
 
 
+@pytest.mark.parametrize("bad", ["a\n", "job\n", "", "a b", "a{b", "x" * 129])
+def test_names_with_a_final_newline_are_refused(bad: str) -> None:
+    """"$" matched before a final newline: "a\n" passed and split the CLI's output."""
+    with pytest.raises(InvalidArgumentError, match="invalid container name"):
+        keys.check_container(bad)
+    with pytest.raises(InvalidArgumentError, match="invalid resource name"):
+        keys.check_name(bad if len(bad) < 129 else "x" * 201)
+    assert keys.container_of(f"qps:{{{bad}/q/x}}:meta") is None
+
+
 # -- isolation and reset ---------------------------------------------------------------------
 
 
