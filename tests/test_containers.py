@@ -28,37 +28,9 @@ from qps.errors import (
     OutOfRangeError,
 )
 from tests.conftest import until
+from tests.corruption import dump_all, of_container
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-async def dump_all(client: qps.Client) -> dict[bytes, tuple[Any, ...]]:
-    """Every key of the server with its type, full value and TTL."""
-    r = client.commands
-    out: dict[bytes, tuple[Any, ...]] = {}
-    async for key in r.scan_iter(match="*", count=1000):
-        kind = await r.type(key)
-        kind = kind.decode() if isinstance(kind, bytes) else kind
-        if kind == "none":  # expired or deleted since the scan (another test's record)
-            continue
-        if kind == "string":
-            value: Any = await r.get(key)
-        elif kind == "list":
-            value = tuple(await r.lrange(key, 0, -1))
-        elif kind == "hash":
-            value = tuple(sorted((await r.hgetall(key)).items()))
-        elif kind == "set":
-            value = tuple(sorted(await r.smembers(key)))
-        elif kind == "zset":
-            value = tuple(await r.zrange(key, 0, -1, withscores=True))
-        else:
-            raise AssertionError(f"unexpected type {kind} of {key!r}")
-        out[key] = (kind, value, await r.pttl(key))
-    return out
-
-
-def of_container(dump: dict[bytes, Any], container: str) -> dict[bytes, Any]:
-    return {k: v for k, v in dump.items() if keys.container_of(k) == container}
 
 
 async def populate(client: qps.Client, container: str, big: bool = False) -> None:

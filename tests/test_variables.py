@@ -36,7 +36,7 @@ from qps.variables import (
     open_variable,
     variable_stats,
 )
-from tests.test_containers import dump_all, of_container
+from tests.corruption import dump_all, of_container
 
 try:
     import ml_dtypes
