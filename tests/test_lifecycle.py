@@ -302,8 +302,11 @@ def test_ctrl_c_reports_the_chiefs_last_metric() -> None:
     result = json.loads(out)
     # the roles stop at once (the chief does not evaluate after a signal); the launcher
     # evaluates the parameters the job ended with
-    assert result["test_metric"] == "accuracy", result
-    assert result["test_value"] is not None and 0.5 <= result["test_value"] <= 1.0, result
+    assert result["test_metric"] == "accuracy", (result, err[-3000:])
+    assert result["test_value"] is not None and 0.5 <= result["test_value"] <= 1.0, (
+        result,
+        err[-3000:],
+    )
     assert _processes_of(c) == []
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import io
 import math
 import os
 from collections import Counter
@@ -61,6 +62,7 @@ from qps.errors import (
 )
 from qps.queues import delete_queue
 from tests.conftest import within
+from tests.corruption import dump_all
 
 I64 = np.int64
 I32 = np.int32
@@ -578,7 +580,13 @@ class QueueMachine(RuleBasedStateMachine):
             a.task.cancel()
         await asyncio.wait([a.task], timeout=HANG)
         if not a.task.done():
-            raise AssertionError(f"{a.label}: still running; model says {a.result}")
+            where = io.StringIO()
+            a.task.print_stack(file=where)
+            raise AssertionError(
+                f"{a.label}: still running; model says {a.result}\n{where.getvalue()}"
+                + "\n".join(self.log)
+                + await self.keys()
+            )
         try:
             got: Result = ("ok", a.task.result())
         except asyncio.CancelledError:
@@ -620,9 +628,19 @@ class QueueMachine(RuleBasedStateMachine):
             "held": s.held,
         }
 
+    async def keys(self) -> str:
+        """The queue's keys and values, for a failure's message."""
+        dump = await dump_all(self.clients[0])
+        name = self.queues[0].name.encode()
+        lines = [f"{k!r}: {v[:2]}" for k, v in sorted(dump.items()) if b"/q/" + name + b"}" in k]
+        return "\nkeys:\n" + "\n".join(lines)
+
     async def check_snapshot(self) -> None:
         got, want = await self.real_snapshot(), self.m.snapshot()
-        assert got == want, f"Redis {got} != model {want}\n" + "\n".join(self.log)
+        if got != want:
+            raise AssertionError(
+                f"Redis {got} != model {want}\n" + "\n".join(self.log) + await self.keys()
+            )
 
     async def settled(self) -> None:
         """Wait until the queue in Redis is in the model's state (a new waiting call has
@@ -635,7 +653,9 @@ class QueueMachine(RuleBasedStateMachine):
             if got == want:
                 return
             if self.loop.time() > end:
-                raise AssertionError(f"Redis {got} != model {want}\n" + "\n".join(self.log))
+                raise AssertionError(
+                    f"Redis {got} != model {want}\n" + "\n".join(self.log) + await self.keys()
+                )
             turns += 1
             await asyncio.sleep(0 if turns < 20 else 0.001)
 

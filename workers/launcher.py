@@ -200,18 +200,26 @@ async def run_job(
                 cfg.sync_replicas, steps_total, cfg.restarts,
             )  # fmt: skip
             result.seconds = time.monotonic() - start
-            if result.exit_code == EXIT_INTERRUPTED:  # the roles stop at once (no eval)
-                await roles.stop_all(shards + workers)
-            if result.exit_code != EXIT_UNAVAILABLE:
-                report = _report(client, container, cfg, result, started_at, test_split)
-                try:
+            # interrupted: the roles stop at once (no eval) while the report is read, so
+            # that stopping them does not eat the report's time
+            stopping = (
+                asyncio.ensure_future(roles.stop_all(shards + workers))
+                if result.exit_code == EXIT_INTERRUPTED
+                else None
+            )
+            try:
+                if result.exit_code != EXIT_UNAVAILABLE:
+                    report = _report(client, container, cfg, result, started_at, test_split)
                     if not await _within_stop_budget(report, stopper, stopped_at):
                         emit(
                             f"qps train: no final metrics: not read within {REPORT_SECONDS:g} s "
                             "of the stop"
                         )
-                except UnavailableError:
-                    result.exit_code, result.stopped = EXIT_UNAVAILABLE, "Redis unreachable"
+            except UnavailableError:
+                result.exit_code, result.stopped = EXIT_UNAVAILABLE, "Redis unreachable"
+            finally:
+                if stopping is not None:
+                    await stopping
             if result.exit_code == EXIT_UNAVAILABLE:
                 result.error = (
                     f"Redis at {redact_url(url)} became unreachable after "
