@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,25 +145,40 @@ class Hosts:
         return "\n".join(r.tail() for r in self.roles.values() if r.proc.poll() not in (None, 0))
 
     async def until(
-        self, what: str, pred: Callable[[], Awaitable[bool]], timeout: float = 60
+        self,
+        what: str,
+        pred: Callable[[], Awaitable[bool]],
+        timeout: float = 60,
+        progress: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         """Check ``pred`` every 100 ms until it holds; fail after ``timeout`` s, or at
-        once when a role has failed."""
+        once when a role has failed. With ``progress`` (e.g. the global step), the
+        ``timeout`` s count from its last change: a job that trains slowly on a busy
+        machine is waited for, one that is stuck is not."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        last = None if progress is None else await progress()
         while not await pred():
             if bad := self.failed():
                 raise AssertionError(f"a role failed while waiting for: {what}\n{bad}")
+            if progress is not None and (now := await progress()) != last:
+                last, end = now, loop.time() + timeout
             if loop.time() > end:
                 logs = "\n".join(r.tail() for r in self.roles.values())
-                raise AssertionError(f"not within {timeout} s: {what}\n{logs}")
+                quiet = "" if progress is None else " without progress"
+                raise AssertionError(f"not within {timeout} s{quiet}: {what}\n{logs}")
             await asyncio.sleep(0.1)
 
-    async def wait_exit(self, names: list[str], timeout: float = 60) -> None:
+    async def wait_exit(
+        self,
+        names: list[str],
+        timeout: float = 60,
+        progress: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         async def exited() -> bool:
             return all(self.roles[n].proc.poll() is not None for n in names)
 
-        await self.until(f"{', '.join(names)} exit", exited, timeout)
+        await self.until(f"{', '.join(names)} exit", exited, timeout, progress)
 
     async def stop(self) -> None:
         """SIGTERM what still runs (the roles handle it), SIGKILL it after 10 s."""
@@ -219,7 +235,9 @@ async def test_training_across_hosts_survives_a_cut_link(hosts: Hosts) -> None:
         w0, g = await step_of("worker0"), await global_step()
         return w0 >= w0_cut + OUTAGE_STEPS and g >= g_cut + OUTAGE_STEPS
 
-    await hosts.until("the global step advances while w1 is cut off", training_goes_on)
+    await hosts.until(
+        "the global step advances while w1 is cut off", training_goes_on, progress=global_step
+    )
     assert await step_of("worker1") == w1_cut  # nothing of w1 reached Redis meanwhile
     assert not net.link_up("w1") and hosts.roles["w1"].proc.poll() is None  # w1 waits
     net.restore("w1")
@@ -228,7 +246,7 @@ async def test_training_across_hosts_survives_a_cut_link(hosts: Hosts) -> None:
         return await step_of("worker1") > w1_cut
 
     await hosts.until("worker1 carries on once its link is back", rejoined)
-    await hosts.wait_exit(["w0", "w1", "ps0", "ps1"], timeout=90)
+    await hosts.wait_exit(["w0", "w1", "ps0", "ps1"], timeout=90, progress=global_step)
     for name in ("ps0", "ps1", "w0", "w1"):
         role = hosts.roles[name]
         assert role.proc.returncode == 0, role.tail()

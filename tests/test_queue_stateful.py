@@ -748,19 +748,25 @@ class PriorityMachine(QueueMachine):
     KIND = "priority"
 
 
+# A whole machine's run (200 examples) takes ~30 s on an idle 2-core machine and several
+# times that beside a CPU hog; each call has its own hang guard (HANG, and 60 s a rule),
+# so the run as a whole gets a limit that scales with the examples asked for.
+RUN_LIMIT = pytest.mark.timeout(max(600, 3 * int(os.environ.get("QPS_STATEFUL_EXAMPLES", "200"))))
+
 TestFIFOStateful = FIFOMachine.TestCase
-TestFIFOStateful.settings = STATEFUL
 TestShuffleStateful = ShuffleMachine.TestCase
-TestShuffleStateful.settings = STATEFUL
 TestPaddingStateful = PaddingMachine.TestCase
-TestPaddingStateful.settings = STATEFUL
 TestPriorityStateful = PriorityMachine.TestCase
-TestPriorityStateful.settings = STATEFUL
+for _case in (TestFIFOStateful, TestShuffleStateful, TestPaddingStateful, TestPriorityStateful):
+    _case.settings = STATEFUL
+    _case.pytestmark = [RUN_LIMIT]
+del _case  # not a test of its own
 
 
 @pytest.mark.parametrize(
     "machine", [FIFOMachine, ShuffleMachine, PaddingMachine, PriorityMachine], ids=lambda m: m.KIND
 )
+@RUN_LIMIT
 def test_stateful_real_server(redis_url: str, machine: type[QueueMachine]) -> None:
     """The same machines against a real server (its lean connections and pipelined
     waits, which fakeredis does not have), fewer examples."""
