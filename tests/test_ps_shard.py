@@ -81,6 +81,14 @@ async def _steps(sess: qps.Session, n: int) -> None:
     await until(reached, timeout=30)
 
 
+async def _versions(sess: qps.Session, want: dict[str, int]) -> None:
+    async def reached() -> bool:
+        got = await sess.pull(list(want))
+        return all(got[n].version >= v for n, v in want.items())
+
+    await until(reached, timeout=30, what=f"versions {want}")
+
+
 async def test_async_training_dense_and_sparse(job: Job) -> None:
     sess = await job.session()
     await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0))
@@ -452,9 +460,11 @@ async def test_push_then_reads_the_parameters_in_the_push_round_trip(job: Job) -
     assert replies == [] and ids[where["w"]].startswith("w0/1/")
     await job.shard(0, 2)
     await job.shard(1, 2)
-    await _steps(sess, 2)
+    # the global step counts a step once shard 0 applied its part: wait for the versions
+    # of both variables, which live on different shards
+    await _versions(sess, {"w": 2, "b": 1})
     ids, replies = await ps.push_then({"w": np.ones(2), "b": np.ones(2)}, plan.commands, step=2)
-    await _steps(sess, 3)
+    await _versions(sess, {"w": 3, "b": 2})
     values = await sess.pull(["w", "b"])
     assert values["w"].value.tolist() == [-3.0, -3.0] and values["b"].value.tolist() == [-2.0, -2.0]
     then = ps.pulled(plan, replies)  # read right after the push: before its apply, or after
