@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from click.testing import CliRunner, Result
 
 import qps
@@ -190,6 +191,41 @@ def test_stat_json_shuffle_queue(redis_url: str, container: str) -> None:
     text = invoke(*qargs("stat", redis_url, container, "shuf")).stdout
     assert re.search(r"^min_after_dequeue\s+4$", text, re.M)
     assert re.search(r"^seed\s+11$", text, re.M)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("spec", "{not json"), ("x", "-100"), ("kind", None), ("items", "list")]
+)
+def test_ls_and_stat_show_a_broken_queue(
+    redis_url: str, container: str, field: str, value: str | None
+) -> None:
+    """A queue whose meta lacked 'spec' or held '{not json' (or a WRONGTYPE items key)
+    failed `queue ls` for the whole container with "unexpected KeyError: b'spec'"."""
+    make_fifo(redis_url, container, "good", n=2)
+    make_fifo(redis_url, container, "bad", n=3)
+    prefix = f"qps:{{{container}/q/bad}}:"
+    with redis.Redis.from_url(redis_url) as r:
+        if field == "items":
+            r.delete(prefix + "items")
+            r.set(prefix + "items", "not a list")
+        elif value is None:
+            r.hdel(prefix + "meta", field)
+        else:
+            r.hset(prefix + "meta", field, value)
+    key = prefix + ("items" if field == "items" else "meta")
+    ls = CliRunner().invoke(cli, qargs("ls", redis_url, container))
+    assert ls.exit_code == 1, ls.output
+    rows = {line.split()[0]: line.split()[1:3] for line in ls.stdout.splitlines()[1:3]}
+    assert rows == {"bad": ["BROKEN", "-"], "good": ["FIFOQueue", "2/10"]}
+    assert f"bad: BROKEN: corrupt queue state: {key}: " in ls.stdout
+    listed = json.loads(CliRunner().invoke(cli, qargs("ls", redis_url, container, "--json")).stdout)
+    assert [d.get("broken", "").startswith(f"corrupt queue state: {key}") for d in listed] == [
+        True,
+        False,
+    ]
+    st = CliRunner().invoke(cli, qargs("stat", redis_url, container, "bad"))
+    assert st.exit_code == 1 and st.stderr.startswith(f"qps: error: corrupt queue state: {key}: ")
+    assert "Traceback" not in st.output
 
 
 def test_stat_missing_queue_exit_3(redis_url: str, container: str) -> None:

@@ -3,13 +3,17 @@ into a queue's keys by another client are set aside and nothing else is lost."""
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import numpy as np
 import pytest
 
 import qps
 from qps import keys, wire
-from qps.errors import InvalidArgumentError
+from qps.errors import DataLossError, InvalidArgumentError, QpsError
+from qps.queues.inspect import scan_queues
+from qps.queues.spec import MAX_COUNT
 from tests.conftest import until
 
 
@@ -180,3 +184,97 @@ async def test_a_byte_swapped_array_is_refused_as_before(client):
     with pytest.raises(InvalidArgumentError, match="Type mismatch"):
         await q.enqueue(np.zeros(4, ">f4"))
     assert await q.size() == 0
+
+
+# -- issue 32: hostile stored state and bounds --------------------------------------------
+
+
+async def test_poison_reference_is_quarantined_and_the_queue_moves_on(client):
+    """A large-element reference with negative counts was taken for one (ValueError
+    from the buffer pool, the element back at the head, every dequeue failing)."""
+    q = qps.FIFOQueue(10, np.int32, shapes=[[]], shared_name="poison", container="C", client=client)
+    await q.enqueue_many(np.array([1, 2], np.int32))
+    items = keys.queue_prefix("C", "poison") + "items"
+    await client.commands.lset(items, 0, b"QR|zz.1.0|-3|-5")
+    assert int(await q.dequeue()) == 2
+    [record] = await client.commands.lrange(keys.queue_prefix("C", "poison") + "dlq", 0, -1)
+    record = msgpack.unpackb(record)
+    assert record["data"] == b"QR|zz.1.0|-3|-5" and "malformed" in record["reason"]
+
+
+async def test_reference_to_billions_of_chunks_does_not_stall_the_server(client):
+    q = qps.FIFOQueue(10, np.int32, shapes=[[]], shared_name="huge", client=client)
+    await q.enqueue(1)
+    await client.commands.rpush(await _items(client, q), b"QR|zz.1.0|99999999999|5")
+    await q.enqueue(3)
+    assert (await q.dequeue_many(2)).tolist() == [1, 3]
+    assert (await q.stats()).dead_letters == 1
+
+
+@pytest.mark.parametrize("spec", [None, b"{not json", b'{"kind":"fifo"}'])
+async def test_corrupt_spec_is_a_data_loss_error_naming_the_key(client, spec):
+    q = qps.FIFOQueue(10, np.int32, shared_name="m", container="C", client=client)
+    await q.enqueue(1)
+    meta = keys.queue_prefix("C", "m") + "meta"
+    if spec is None:
+        await client.commands.hdel(meta, "spec")
+    else:
+        await client.commands.hset(meta, "spec", spec)
+    with pytest.raises(DataLossError, match=re.escape(meta)):
+        await q.stats()
+    again = qps.FIFOQueue(10, np.int32, shared_name="m", container="C", client=client)
+    with pytest.raises(DataLossError, match=re.escape(meta)):
+        await again.size()
+    ok = qps.FIFOQueue(10, np.int32, shared_name="ok", container="C", client=client)
+    await ok.enqueue(2)
+    listed = await scan_queues(client, "C")
+    assert [type(s).__name__ for s in listed] == ["BrokenQueue", "QueueStats"]
+    assert meta in listed[0].error and listed[1].size == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [("fifo", "x", -100), ("shuffle", "n", 100), ("shuffle", "n", -1), ("fifo", "cap", "abc")],
+)
+async def test_counters_out_of_range_are_refused(client, kind, field, value):
+    """size() answered -95 for x = -100; a shuffle queue with n = 100 blocked its
+    enqueues, with n = -1 timed out its dequeues, holding 5 elements."""
+    if kind == "fifo":
+        q = qps.FIFOQueue(10, np.int32, shapes=[[]], shared_name="k", client=client)
+    else:
+        q = qps.RandomShuffleQueue(10, 0, np.int32, shapes=[[]], shared_name="k", client=client)
+    await q.enqueue_many(np.arange(5, dtype=np.int32))
+    meta = keys.queue_prefix("default", "k") + "meta"
+    await client.commands.hset(meta, field, value)
+    calls = [q.stats, lambda: q.enqueue(7, timeout=5)]
+    if field != "cap":  # the size and a dequeue do not depend on it
+        calls += [q.size, lambda: q.dequeue(timeout=5)]
+    for call in calls:
+        with pytest.raises(DataLossError, match=re.escape(meta)):
+            await call()
+
+
+@pytest.mark.parametrize("capacity", [2**63, 2**53 + 1, 2.5])
+def test_capacity_beyond_what_lua_holds_is_refused(capacity):
+    with pytest.raises(InvalidArgumentError):
+        qps.FIFOQueue(capacity, np.int32)
+
+
+async def test_counts_beyond_the_bound_are_invalid_arguments(client):
+    q = qps.FIFOQueue(10, np.int32, shapes=[[]], client=client)
+    for call in (q.dequeue_many, q.dequeue_up_to, q.dequeue_ready_acked):
+        with pytest.raises(InvalidArgumentError, match="the most is"):
+            await call(2**63)
+    assert MAX_COUNT == 2**53 - 1
+    with pytest.raises(InvalidArgumentError):
+        await q.dequeue_many(MAX_COUNT + 1)
+
+
+@pytest.mark.parametrize("key", ["abc", "qps:{C/v/x}:meta", "qps:{C/q/x}:items", "dlq"])
+async def test_queue_scripts_refuse_keys_of_no_queue(client, key):
+    """quarantine.lua derived its prefix from any key: called with 'abc' it created
+    'abc' and 'dlq' outside the qps namespace."""
+    for script in ("quarantine", "enqueue", "dequeue", "release", "ack"):
+        with pytest.raises(QpsError, match="a queue script takes one key"):
+            await client.run_script(script, [key], ["10000 x", b"record"])
+    assert await client.commands.keys("*") == []

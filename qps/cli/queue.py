@@ -37,15 +37,15 @@ from qps.cli import (
 from qps.cli import (
     table as _table,
 )
-from qps.errors import CancelledError, DataLossError, DeadlineExceededError, NotFoundError
+from qps.errors import CancelledError, DataLossError, DeadlineExceededError
 from qps.ps.gradlist import ListCounts, queue_list_counts
 from qps.queues import (
     QueueStats,
     StoredElement,
-    list_queues,
     peek_blobs,
     queue_stats,
 )
+from qps.queues.inspect import BrokenQueue, scan_queues
 from qps.queues.spec import dtype_name
 from qps.session import queue_from_spec
 
@@ -81,15 +81,13 @@ def queue() -> None:
 # -- ls ---------------------------------------------------------------------------------
 
 
-async def _ls(url: str | None, container: str) -> tuple[list[QueueStats], dict[str, ListCounts]]:
+async def _ls(
+    url: str | None, container: str
+) -> tuple[list[QueueStats | BrokenQueue], dict[str, ListCounts]]:
     async with connected(url) as client:
-        out = []
-        for name in await list_queues(client, container):
-            try:
-                out.append(await queue_stats(client, name, container))
-            except NotFoundError:  # deleted between the listing and now
-                continue
-        return out, await queue_list_counts(client, container, [s.name for s in out])
+        out = await scan_queues(client, container)
+        names = [s.name for s in out if isinstance(s, QueueStats)]
+        return out, await queue_list_counts(client, container, names)
 
 
 def _with_list(d: dict[str, Any], lists: dict[str, ListCounts]) -> dict[str, Any]:
@@ -118,32 +116,45 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     counters are its own: on a single server the gradients go on the shard's gradient
     list, counted in a line under the table. With --json, a list of the full statistics
     of each queue (as `qps queue stat --json`).
+
+    A queue whose stored state is corrupt is listed as BROKEN (its type column), with
+    what is wrong on a line under the table ({"name", "container", "broken"} with
+    --json); the other queues are listed as usual, and the command exits with 1.
     """
     stats, lists = run_async(_ls(url, container))
+    broken = [s for s in stats if isinstance(s, BrokenQueue)]
     if json:
         _echo_json([_with_list(s.as_dict(), lists) for s in stats])
-        return
-    if not stats:
+    elif not stats:
         click.echo(f"no queues in container '{container}'")
-        return
-    header = ["NAME", "TYPE", "SIZE/CAP", "CLOSED", "PEND_ENQ", "PEND_DEQ", "ENQUEUED", "DEQUEUED"]
-    rows = [
-        [
-            s.name,
-            s.spec.class_name,
-            f"{s.size}/{'inf' if s.spec.capacity < 0 else s.spec.capacity}",
-            _yes_no(s.closed),
-            str(s.pending_enqueues),
-            str(s.pending_dequeues),
-            str(s.enqueued_total),
-            str(s.dequeued_total),
-        ]
-        for s in stats
+    else:
+        header = ["NAME", "TYPE", "SIZE/CAP", "CLOSED", "PEND_ENQ", "PEND_DEQ", "ENQUEUED"]
+        header.append("DEQUEUED")
+        rows = [_ls_row(s) for s in stats]
+        for line in _table(header, rows, right={2, 4, 5, 6, 7}):
+            click.echo(line)
+        for name, lc in lists.items():
+            click.echo(list_note(name, lc))
+        for b in broken:
+            click.echo(f"{b.name}: BROKEN: {b.error}")
+    if broken:
+        raise click.exceptions.Exit(EXIT_FAILURE)
+
+
+def _ls_row(s: QueueStats | BrokenQueue) -> list[str]:
+    """A queue's row of ``qps queue ls`` (a broken one: BROKEN, the rest '-')."""
+    if isinstance(s, BrokenQueue):
+        return [s.name, "BROKEN", "-", "-", "-", "-", "-", "-"]
+    return [
+        s.name,
+        s.spec.class_name,
+        f"{s.size}/{'inf' if s.spec.capacity < 0 else s.spec.capacity}",
+        _yes_no(s.closed),
+        str(s.pending_enqueues),
+        str(s.pending_dequeues),
+        str(s.enqueued_total),
+        str(s.dequeued_total),
     ]
-    for line in _table(header, rows, right={2, 4, 5, 6, 7}):
-        click.echo(line)
-    for name, lc in lists.items():
-        click.echo(list_note(name, lc))
 
 
 # -- stat --------------------------------------------------------------------------------
@@ -197,7 +208,8 @@ def stat_command(name: str, url: str | None, container: str, json: bool) -> None
     dequeued, blocked callers (pending enqueues/dequeues, elements held by pending
     dequeues, a close waiting behind enqueues) and undecodable elements set aside; for
     a PS gradient queue on a single server, its shard's gradient list ("gradient_list"
-    in --json). Exits with 3 if there is no such queue.
+    in --json). Exits with 3 if there is no such queue, and with 1 if its stored state
+    is corrupt ("qps: error: corrupt queue state: <key>: <what is wrong>").
     """
     s, lc = run_async(_stat(url, container, name))
     if json:

@@ -7,11 +7,11 @@ if not KIND then return {'gone'} end
 local lost = {}
 for i = (A[2] == '+p') and 3 or 2, #A do
   local id = A[i]
+  local hk = akey(id, 'h')
+  local vals = redis.call('LRANGE', hk, 0, -1)  -- first: a corrupt record fails before a write
   if lease_del('r|' .. id) == 0 then
     lost[#lost + 1] = id
   else
-    local hk = akey(id, 'h')
-    local vals = redis.call('LRANGE', hk, 0, -1)
     redis.call('DEL', hk)
     chunk_ttl(vals, 1)
     qs_drop(vals)

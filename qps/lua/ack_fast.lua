@@ -17,7 +17,8 @@ do
   for w in string.gmatch(ARGV[1], '%S+') do ids[#ids + 1] = w end  -- A: lease, ids
   local said = ids[2] == '+p'
   local first = said and 3 or 2
-  if (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and #ids >= first then
+  if (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and #ids >= first
+      and fast_count(M[3]) then
     local lease = P .. 'lease'
     local plain, chunks = true, {}
     for i = first, #ids do

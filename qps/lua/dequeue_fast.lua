@@ -30,7 +30,7 @@ do
     local b1, b2, b3 = string.byte(v, 1, 3)
     if b1 == 81 and b2 == 82 and b3 == 124 then  -- 'QR|'
       local bid, c = string.match(string.sub(v, 1, 64), '^QR|([^|]+)|(%d+)|')
-      if bid then
+      if bid and tonumber(c) <= 2048 then  -- more: a corrupt reference (MAX_CHUNKS)
         for k = 0, tonumber(c) - 1 do
           redis.call('PEXPIRE', P .. 'b:' .. bid .. ':' .. k, 600000)  -- CHUNK_TTL_MS
         end
@@ -43,16 +43,17 @@ do
   local items = P .. 'items'
   local lease = P .. 'lease'
   -- w counts the attempts pending and the leases of held deliveries together
-  local quiet = (tonumber(M[3]) or 0) == 0
-  if not quiet and id and redis.call('LLEN', P .. 'dw') == 0
+  local W, X = fast_count(M[3]), fast_count(M[4])  -- nil: left to the full script
+  local quiet = W == 0
+  if W and X and not quiet and id and redis.call('LLEN', P .. 'dw') == 0
       and redis.call('LLEN', P .. 'ew') == 0 then
     quiet = #redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms(), 'LIMIT', 0, 1) == 0
   end
-  if id and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and quiet
+  if id and X and (M[1] == 'fifo' or M[1] == 'padding') and M[2] == '0' and quiet
       and (acked == '0' or n == 1) and n >= 1 and n <= 500
       and redis.call('EXISTS', P .. 'a:' .. id .. ':s') == 0 then
     local hk = P .. 'a:' .. id .. ':h'
-    local x = tonumber(M[4]) or 0
+    local x = X
     local len
     if x == 0 and n == 1 then
       -- one plain element: moved into the delivery record in one call
@@ -95,7 +96,7 @@ do
         bid, first, rows, size = string.match(head, '^QB|([^|]+)|(%d+)|(%d+)|(%d+)$')
       end
       rows = tonumber(rows)
-      if bid and rows >= n then
+      if bid and rows >= n and tonumber(size) >= 1 then
         local v, dx = head, 1 - n
         if rows == n then
           redis.call('LPOP', items)

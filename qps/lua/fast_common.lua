@@ -1,6 +1,24 @@
 -- Helpers of the fast paths (<name>_fast.lua) that the queue library (queue_common.lua)
 -- uses too: qps.transport puts this file first in every queue script.
 
+-- Every queue script takes one key, the meta hash of one queue,
+-- 'qps:{<container>/q/<name>}:meta', and derives the others from its prefix: anything
+-- else is refused before a key is touched (no key outside the queue's own).
+if #KEYS ~= 1 or not string.find(KEYS[1], '^qps:{[^{}/]+/q/[^{}]+}:meta$') then
+  return redis.error_reply('ERR qps: a queue script takes one key, a queue meta hash ' ..
+    "'qps:{<container>/q/<name>}:meta'")
+end
+
+-- A count field of the meta hash as the fast paths need it: false (missing) is 0; nil
+-- for anything but an integer >= 0 (the fast path then leaves it to the full script,
+-- which reports it).
+local function fast_count(v)
+  if not v then return 0 end
+  local n = tonumber(v)
+  if not n or n < 0 or n ~= math.floor(n) or n > 9007199254740991 then return nil end
+  return n
+end
+
 -- hand_over: a delivery of every unread row of buffer b:<bid> (<rows> of them, from
 -- row <first>) to attempt <id> takes the buffer along, renamed b:<id> (its consumer
 -- reads it in the delivery's round trip; see hand_over in queue_common.lua). Returns

@@ -27,9 +27,52 @@ local LEASE_MS = tonumber(A[1])
 local RECORD_MS = 60000
 local BATCH = 500
 
-local M = redis.call('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w', 'n', 'enq', 'deq', 'rng',
-  'seq', 'x')
+-- Every meta field a script reads is checked here (the values are read anyway): a field
+-- that is not what qps writes refuses the call with an error reply 'DATALOSS <key>: <why>'
+-- (qps.queues.state turns it into a DataLossError) before anything is written, rather
+-- than a wrong size, a queue that looks full or empty, or a generator stuck at 0.
+local MAXN = 9007199254740991  -- 2^53 - 1: the integers a double holds exactly
+local function corrupt(key, why)
+  return redis.error_reply('DATALOSS ' .. key .. ': ' .. why)
+end
+-- A count field: false (missing) counts 0; nil for anything but an integer in [lo, hi].
+local function field_int(v, lo, hi)
+  if not v then return 0 end
+  local n = tonumber(v)
+  if not n or n ~= math.floor(n) or n < lo or n > (hi or MAXN) then return nil end
+  return n
+end
+local M = redis.pcall('HMGET', META, 'kind', 'cap', 'min', 'closed', 'w', 'n', 'enq', 'deq',
+  'rng', 'seq', 'x')
+if M.err then return corrupt(META, 'is not a hash') end
 local KIND = M[1]
+local S = {}
+if KIND then
+  if not (KIND == 'fifo' or KIND == 'padding' or KIND == 'shuffle' or KIND == 'priority') then
+    return corrupt(META, "field 'kind' is not a queue type")
+  end
+  if not M[2] or not field_int(M[2], -1) then return corrupt(META, "field 'cap' is not a capacity") end
+  if not (M[4] == '0' or M[4] == '1') then return corrupt(META, "field 'closed' is not 0 or 1") end
+  local names = {[3] = 'min', [5] = 'w', [6] = 'n', [7] = 'enq', [8] = 'deq', [10] = 'seq',
+                 [11] = 'x'}
+  for i, name in pairs(names) do
+    if not field_int(M[i], 0) then
+      return corrupt(META, "field '" .. name .. "' is not a count in [0, 2^53-1]")
+    end
+  end
+  if M[9] and not field_int(M[9], 1, 2147483646) then
+    return corrupt(META, "field 'rng' is not a generator state in [1, 2^31-2]")
+  end
+  if KIND == 'shuffle' then
+    local stored = redis.pcall('HLEN', P .. 'items')
+    if type(stored) ~= 'number' then return corrupt(P .. 'items', 'is not a hash') end
+    if stored ~= field_int(M[6], 0) then
+      return corrupt(META, "field 'n' is " .. tostring(M[6]) .. ' but the items hash holds ' .. stored)
+    end
+  end
+elseif redis.call('EXISTS', META) == 1 then
+  return corrupt(META, "field 'kind' is missing")
+end
 local CAP = tonumber(M[2]) or -1
 local MINAFTER = tonumber(M[3]) or 0
 local CLOSED = (M[4] == '1')
@@ -53,9 +96,9 @@ local PLACEHOLDER = string.rep('-', 16)
 --   w: entries in the lease zset (only lease_add/lease_del change its membership). Every
 --      ew/dw entry has a lease, so w == 0 means nothing is pending, and the fast paths
 --      skip reaping and flushing without a call.
-local S = {closed = CLOSED and 1 or 0, w = tonumber(M[5]) or 0, n = tonumber(M[6]) or 0,
-           enq = tonumber(M[7]) or 0, deq = tonumber(M[8]) or 0, rng = tonumber(M[9]) or 1,
-           seq = tonumber(M[10]) or 0, x = tonumber(M[11]) or 0}
+S = {closed = CLOSED and 1 or 0, w = tonumber(M[5]) or 0, n = tonumber(M[6]) or 0,
+     enq = tonumber(M[7]) or 0, deq = tonumber(M[8]) or 0, rng = tonumber(M[9]) or 1,
+     seq = tonumber(M[10]) or 0, x = tonumber(M[11]) or 0}
 local S0 = {}
 for k, v in pairs(S) do S0[k] = v end
 
@@ -121,6 +164,7 @@ end
 -- stored (closed queue, cancelled enqueue) are released here (qs_drop). The producer
 -- writes both keys with a TTL; storing a row persists them.
 local CHUNK_TTL_MS = 600000
+local MAX_CHUNKS = 2048  -- a message's most bytes (2^31 - 1) in chunks of 1 MiB
 local Q, R, SB, BB = string.byte('QRSB', 1, 4)
 local BAR = 124  -- '|'
 local sbyte, sfind = string.byte, string.find
@@ -134,7 +178,9 @@ end
 local function qb_parse(v)
   local bid, first, rows, size = string.match(v, '^QB|([^|]+)|(%d+)|(%d+)|(%d+)$')
   if not bid then return nil end
-  return bid, tonumber(first), tonumber(rows), size
+  rows = tonumber(rows)
+  if rows < 1 or tonumber(size) < 1 then return nil end  -- not an entry: one plain value
+  return bid, tonumber(first), rows, size
 end
 
 -- The number of elements entry v stands for.
@@ -244,7 +290,7 @@ local function chunk_ttl(vals, ms)
       local tag = sbyte(v, OFF + 2)
       if tag == R then
         local bid, n = string.match(string.sub(v, OFF + 1, OFF + 64), '^QR|([^|]+)|(%d+)|')
-        if bid then
+        if bid and tonumber(n) <= MAX_CHUNKS then  -- more: a corrupt reference
           for k = 0, tonumber(n) - 1 do
             local key = P .. 'b:' .. bid .. ':' .. k
             if ms then redis.call('PEXPIRE', key, ms) else redis.call('PERSIST', key) end
@@ -268,7 +314,10 @@ local function qs_drop(vals)
   local order, counts = qs_bids(vals)
   for _, bid in ipairs(order) do
     local bk = P .. 'b:' .. bid
-    if redis.call('DECRBY', bk .. ':u', counts[bid]) <= 0 then
+    -- a count that is no integer (corrupt) is left as it is, and the buffer with it:
+    -- failing here would fail the ack of rows already delivered
+    local left = redis.pcall('DECRBY', bk .. ':u', counts[bid])
+    if type(left) == 'number' and left <= 0 then
       redis.call('DEL', bk, bk .. ':u')
     end
   end
@@ -536,10 +585,10 @@ end
 -- Undo a dequeue: whatever it holds (partial, finished or just delivered) goes back to
 -- the front in order, and the delivered count is corrected.
 local function undo_dequeue(e, id)
+  local hk = akey(id, 'h')
+  local vals = redis.call('LRANGE', hk, 0, -1)  -- first: a corrupt record fails before a write
   local pending = (redis.call('LREM', DW, 1, e) > 0)
   lease_del(e, 'r|' .. id)
-  local hk = akey(id, 'h')
-  local vals = redis.call('LRANGE', hk, 0, -1)
   redis.call('DEL', hk)
   push_front(vals)
   if not pending and #vals > 0 then

@@ -27,14 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import msgpack
 import numpy as np
 
 from qps import keys, wire
@@ -44,6 +41,7 @@ from qps.errors import (
     CancelledError,
     DataLossError,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     OutOfRangeError,
@@ -51,11 +49,11 @@ from qps.errors import (
     WouldBlockError,
 )
 from qps.queues.convert import to_component
+from qps.queues.decode import check_element, quarantine, quick_codec, split_bad
 from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
 from qps.queues.large import (
     BATCH_ENTRY,
     BATCH_MIN_BYTES,
-    BATCH_REF,
     CHUNK_BYTES,
     ONE_CHUNK_MIN_BYTES,
     REF,
@@ -77,7 +75,15 @@ from qps.queues.large import (
     taken_chunk,
 )
 from qps.queues.large import nbytes as blob_bytes
-from qps.queues.spec import QueueSpec, Shape, dtype_name, format_shape, is_string
+from qps.queues.spec import QueueSpec, Shape, format_shape, is_string
+from qps.queues.state import (
+    check_count,
+    corrupt,
+    reraise,
+    size_of_replies,
+    size_reads,
+    stored_spec,
+)
 from qps.queues.waiters import LEASE_MS, default_client, waiters_of
 from qps.transport import BLOCK_SECONDS, Client, map_errors
 
@@ -110,42 +116,6 @@ class _Tokens(list[str]):
     a reference to bytes kept out of line."""
 
     refs = False
-
-
-@dataclass(frozen=True)
-class _Quick:
-    """The encoding of one element of a queue of one fixed-shape numeric component:
-    every such element is ``header`` + the array's bytes in C order, ``total`` bytes."""
-
-    dtype: np.dtype[Any]
-    shape: tuple[int, ...]
-    header: bytes
-    total: int
-
-
-QUICK_MAX_BYTES = 64 * 1024  # elements up to this size take the quick codec
-
-
-def _quick_codec(spec: QueueSpec, fixed: bool) -> _Quick | None:
-    """The quick codec of ``spec`` (see :class:`_Quick`), or None where elements vary:
-    several components, names, strings, bools (decoding checks their bytes), shapes not
-    fully defined, or elements too large to be sent whole."""
-    if not fixed or len(spec.dtypes) != 1 or spec.names is not None or spec.shapes is None:
-        return None
-    dtype = np.dtype(spec.dtypes[0])
-    if dtype.kind not in "iuf" or not dtype.isnative:
-        return None
-    shape = tuple(int(d) for d in spec.shapes[0])  # type: ignore[arg-type]
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > QUICK_MAX_BYTES:
-        return None
-    header = wire.header_bytes([dtype], [shape])  # one buffer: nothing pads it
-    return _Quick(dtype, shape, header, len(header) + nbytes)
-
-
-def _size_sum(replies: Sequence[Any]) -> int:
-    """A queue's size from the replies to its size reads (a missing field counts 0)."""
-    return sum(int(r or 0) for r in replies)
 
 
 class QueueBase:
@@ -187,7 +157,7 @@ class QueueBase:
         # one-element enqueues and dequeues skip the general codec where elements are
         # all alike (and the subclass stores them as they are: not PriorityQueue's keys)
         self._quick = (
-            _quick_codec(spec, self._fixed)
+            quick_codec(spec, self._fixed)
             if type(self)._order_keys is QueueBase._order_keys
             and type(self)._strip_keys is QueueBase._strip_keys
             else None
@@ -244,17 +214,19 @@ class QueueBase:
         else:
             rng_seed = int(seed) % 2147483646 + 1
         spec = self._spec
-        reply = await client.run_script(
-            "create",
-            self._skeys,
-            [
-                f"{LEASE_MS} {spec.kind} {spec.capacity} {spec.min_after_dequeue} {rng_seed}",
-                spec.to_json(),
-            ],
-        )
+        try:
+            reply = await client.run_script(
+                "create",
+                self._skeys,
+                [
+                    f"{LEASE_MS} {spec.kind} {spec.capacity} {spec.min_after_dequeue} {rng_seed}",
+                    spec.to_json(),
+                ],
+            )
+        except QpsError as exc:
+            await reraise(client, self._prefix, exc)
         if reply[0] == b"exists":
-            existing = QueueSpec.from_json(reply[1])
-            self._spec.check_same(existing, self._name)
+            self._spec.check_same(stored_spec(reply[1], self._keys[0]), self._name)
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             pipe.sadd(keys.CONTAINERS, self._container)
@@ -358,27 +330,6 @@ class QueueBase:
             return arrays[0]
         return arrays
 
-    def _check_element(self, arrays: list[np.ndarray]) -> None:
-        spec = self._spec
-        if len(arrays) != len(spec.dtypes):
-            raise DataLossError(
-                f"element has {len(arrays)} components, the queue has {len(spec.dtypes)}"
-            )
-        for i, (a, dt) in enumerate(zip(arrays, spec.dtypes)):
-            if a.dtype != dt and not (is_string(dt) and a.dtype.kind == "S"):
-                raise DataLossError(
-                    f"component {i} is {dtype_name(a.dtype)}, the queue holds {dtype_name(dt)}"
-                )
-            if spec.shapes is not None:
-                want = spec.shapes[i]
-                if len(want) != a.ndim or any(
-                    w is not None and w != g for w, g in zip(want, a.shape)
-                ):
-                    raise DataLossError(
-                        f"component {i} has shape {format_shape(a.shape)}, the queue "
-                        f"holds {format_shape(want)}"
-                    )
-
     def _decode_one(self, blob: bytes) -> list[np.ndarray]:
         quick = self._quick
         if (
@@ -390,25 +341,8 @@ class QueueBase:
             flat = np.frombuffer(blob, quick.dtype, offset=len(quick.header))
             return [flat.reshape(quick.shape)]
         arrays = wire.decode(blob).arrays
-        self._check_element(arrays)
+        check_element(self._spec, arrays)
         return arrays
-
-    def _split_bad(
-        self, blobs: list[bytes]
-    ) -> tuple[list[list[np.ndarray]], list[tuple[bytes, str]]]:
-        good, bad = [], []
-        for b in blobs:
-            if b[:3] == REF:
-                bad.append((bytes(b), "the chunks of a large element are missing"))
-                continue
-            if b[:3] == BATCH_REF or b[:3] == BATCH_ENTRY:
-                bad.append((bytes(b), "the buffer of a batch row is missing"))
-                continue
-            try:
-                good.append(self._decode_one(b))
-            except DataLossError as exc:
-                bad.append((b, str(exc)))
-        return good, bad
 
     def _batch(self, elements: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Stack decoded elements into batch arrays (PaddingFIFOQueue overrides).
@@ -425,18 +359,11 @@ class QueueBase:
         return [np.stack([e[j] for e in elements]) for j in range(ncomp)]
 
     async def _quarantine(self, client: Client, bad: list[tuple[bytes, str]]) -> None:
-        records = [
-            msgpack.packb(
-                {"reason": reason, "data": blob, "time": time.time(), "by": client.client_id},
-                use_bin_type=True,
-            )
-            for blob, reason in bad
-        ]
-        for _, reason in bad:
-            log.warning(
-                "queue %s/%s: set aside a corrupt element: %s", self._container, self._name, reason
-            )
-        await client.run_script("quarantine", self._skeys, [str(LEASE_MS), *records])
+        where = f"{self._container}/{self._name}"
+        try:
+            await quarantine(client, self._skeys, where, bad, LEASE_MS)
+        except QpsError as exc:
+            await reraise(client, self._prefix, exc)
 
     # -- the attempt loop ---------------------------------------------------------
     async def _attempt(
@@ -576,14 +503,14 @@ class QueueBase:
                 client.run_script("abort", self._skeys, [f"{LEASE_MS} {entry} {aid} cancel"])
             )
             raise
-        except QpsError:
+        except QpsError as exc:
             # e.g. the wait's connection died: withdraw the attempt now if Redis can be
             # reached, rather than leave it registered until its lease runs out
             with contextlib.suppress(QpsError):
                 await shielded(
                     client.run_script("abort", self._skeys, [f"{LEASE_MS} {entry} {aid} cancel"])
                 )
-            raise
+            await reraise(client, self._prefix, exc)  # corrupt state: the key named
         finally:
             if waiters is not None:
                 waiters.blocked.pop(aid, None)
@@ -902,7 +829,7 @@ class QueueBase:
                     batch = wire.decode_rows(blobs, self._spec.dtypes, self._spec.shapes, joined)  # type: ignore[arg-type]
                     if batch is not None:
                         return batch
-                good, bad = self._split_bad(blobs)
+                good, bad = split_bad(self._decode_one, blobs)
                 got.extend(good)
                 if bad:
                     await self._quarantine(client, bad)
@@ -940,18 +867,24 @@ class QueueBase:
 
         Returns the values, and the buffer holding all of them back to back when they
         are the rows of one read (else None)."""
-        if not release:
-            out = await read_batch_rows(client, self._prefix, blobs)
-            return await fetch_large(client, self._prefix, out, delete=False), None
-        runs = batch_runs(blobs)
-        if runs and not any(b[:3] == REF for b in blobs):
-            return await self._read_and_release_rows(client, stored, blobs, runs)
         try:
-            out = await read_batch_rows(client, self._prefix, blobs)
-            out = await fetch_large(client, self._prefix, out)
-        except BaseException:
-            await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored]))
-            raise
+            if not release:
+                out = await read_batch_rows(client, self._prefix, blobs)
+                return await fetch_large(client, self._prefix, out, delete=False), None
+            runs = batch_runs(blobs)
+            if runs and not any(b[:3] == REF for b in blobs):
+                return await self._read_and_release_rows(client, stored, blobs, runs)
+            try:
+                out = await read_batch_rows(client, self._prefix, blobs)
+                out = await fetch_large(client, self._prefix, out)
+            except BaseException as exc:
+                if not isinstance(exc, InternalError):  # else: set aside as unread
+                    await shielded(
+                        client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored])
+                    )
+                raise
+        except InternalError:  # a key of the wrong type: the values are left unread,
+            return list(blobs), None  # set aside as dead letters by the caller
         rows = release_args(blobs)
         if rows:
             tokens = " ".join([str(LEASE_MS), *rows])
@@ -988,7 +921,9 @@ class QueueBase:
                 back = inline_rows(stored, blobs, runs, datas)
                 await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *back]))
             raise
-        except QpsError:
+        except QpsError as exc:
+            if isinstance(exc, InternalError):  # a buffer of the wrong type: set aside
+                return list(blobs), None
             with contextlib.suppress(QpsError):
                 await shielded(client.run_script("requeue", self._skeys, [str(LEASE_MS), *stored]))
             raise
@@ -1005,15 +940,18 @@ class QueueBase:
         """Run ack/nack/touch for ``tokens`` (then plain commands ``after``, in the same
         round trip); return the tokens whose lease had run out."""
         args = [" ".join([str(LEASE_MS), *tokens])]
-        if after:
-            reply, replies = await client.run_script_then_commands(
-                script, self._skeys, args, after, once=True
-            )
-            for r in replies:
-                if isinstance(r, BaseException):
-                    log.warning("a command sent with %s on '%s' failed: %s", script, self._name, r)
-        else:
-            reply = await client.run_script(script, self._skeys, args)
+        try:
+            if after:
+                reply, replies = await client.run_script_then_commands(
+                    script, self._skeys, args, after, once=True
+                )
+                for r in replies:
+                    if isinstance(r, BaseException):
+                        log.warning("%s on '%s': a command failed: %s", script, self._name, r)
+            else:
+                reply = await client.run_script(script, self._skeys, args)
+        except QpsError as exc:
+            await reraise(client, self._prefix, exc)
         if reply[0] == b"gone":
             raise self._gone()
         return [t.decode() for t in reply[1:]] if reply[0] == b"expired" else []
@@ -1028,10 +966,7 @@ class QueueBase:
         await client.run_script("requeue", self._skeys, [str(LEASE_MS), *blobs])
 
     def _check_many(self, n: int, op: str) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise InvalidArgumentError(f"{op} needs an integer count, got {n!r}")
-        if n < 0:
-            raise InvalidArgumentError(f"{op} requested {n} < 0 elements")
+        check_count(n, op)
         if self._spec.shapes is None:
             raise InvalidArgumentError(
                 f"{self._spec.class_name}'s DequeueMany and DequeueUpTo require the "
@@ -1195,8 +1130,7 @@ class QueueBase:
             WouldBlockError: nothing can be taken now; nothing changed.
             OutOfRangeError: the queue is closed and empty.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InvalidArgumentError(f"dequeue_ready_acked needs a count >= 1, got {n!r}")
+        check_count(n, "dequeue_ready_acked", 1)
         out: list[Any] = []
         return await self._take_acked(int(n), "upto", None, True, list(then), out, True), out
 
@@ -1291,7 +1225,11 @@ class QueueBase:
         return int((await self._reclaim(f"enqueues {client_id}"))[1])
 
     async def _reclaim(self, op: str) -> list[Any]:
-        reply = await (await self._c()).run_script("reclaim", self._skeys, [f"{LEASE_MS} {op}"])
+        client = await self._c()
+        try:
+            reply = await client.run_script("reclaim", self._skeys, [f"{LEASE_MS} {op}"])
+        except QpsError as exc:
+            await reraise(client, self._prefix, exc)
         if reply[0] == b"gone":
             raise self._gone()
         return list(reply)
@@ -1329,30 +1267,32 @@ class QueueBase:
     async def is_closed(self) -> bool:
         """Whether the close has taken effect."""
         client = await self._c()
-        with map_errors():
-            return await client.commands.hget(self._keys[0], "closed") == b"1"
+        try:
+            with map_errors():
+                closed = await client.commands.hget(self._keys[0], "closed")
+        except QpsError as exc:
+            await reraise(client, self._prefix, exc)
+        if closed not in (b"0", b"1", None):  # None: deleted since (a reset container)
+            raise corrupt(self._keys[0], f"field 'closed' is {closed!r}, not 0 or 1")
+        return closed == b"1"
 
     async def size(self) -> int:
-        """The number of stored elements (not counting those held by pending dequeues)."""
+        """The number of stored elements (not counting those held by pending dequeues).
+
+        Raises:
+            DataLossError: the stored counts are corrupt (the key named).
+        """
         client = await self._c()
-        reads = self._size_reads()
         with map_errors():
-            if len(reads) == 1:
-                one = await client.commands.execute_command(*reads[0])  # type: ignore[no-untyped-call]
-                return _size_sum([one])
             pipe = client.commands.pipeline(transaction=True)  # read atomically
-            for command in reads:
+            for command in self._size_reads():
                 pipe.execute_command(*command)
-            return _size_sum(await pipe.execute())
+            replies = await pipe.execute(raise_on_error=False)
+        return size_of_replies(replies, self._spec.kind, self._prefix)
 
     def _size_reads(self) -> list[tuple[Any, ...]]:
         """The reads whose replies add up to :meth:`size`."""
-        if self._spec.kind == "shuffle":
-            return [("HGET", self._keys[0], "n")]
-        if self._spec.kind == "priority":
-            return [("ZCARD", self._keys[1])]
-        # LLEN items + x (batch entries' rows beyond one each)
-        return [("LLEN", self._keys[1]), ("HGET", self._keys[0], "x")]
+        return size_reads(self._spec.kind, self._prefix)
 
     def size_commands(self) -> list[tuple[Any, ...]]:
         """:meth:`size` as plain commands (one ``MULTI``/``EXEC``) for a round trip of the
@@ -1366,8 +1306,8 @@ class QueueBase:
         if not isinstance(done, list) or not done:
             return None
         try:
-            return _size_sum(done)
-        except (TypeError, ValueError):
+            return size_of_replies(done, self._spec.kind, self._prefix)
+        except (QpsError, TypeError, ValueError):
             return None
 
     async def stats(self) -> QueueStats:
@@ -1379,8 +1319,13 @@ class QueueBase:
         """Up to ``k`` stored elements, decoded, without removing them (the next ones out
         for a FIFO queue; any ``k`` for a shuffle queue)."""
         client = await self._c()
-        stored = await peek_blobs(client, self._name, self._container, k)
-        return [self._format(self._decode_one(e.blob)) for e in stored]
+        out = []
+        for i, e in enumerate(await peek_blobs(client, self._name, self._container, k)):
+            try:
+                out.append(self._format(self._decode_one(e.blob)))
+            except (DataLossError, ValueError, TypeError) as exc:
+                raise corrupt(self._keys[1], f"stored element {i}: {e.error or exc}") from exc
+        return out
 
 
 def _rows_buffer(blobs: Sequence[Any]) -> Any:

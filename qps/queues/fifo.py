@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from qps.queues.base import QueueBase
-from qps.queues.spec import QueueSpec, normalize_dtypes, normalize_names, normalize_shapes
+from qps.queues.spec import (
+    QueueSpec,
+    check_capacity,
+    normalize_dtypes,
+    normalize_names,
+    normalize_shapes,
+)
 from qps.transport import Client
 
 
@@ -49,7 +55,7 @@ class FIFOQueue(QueueBase):
             dtypes=dts,
             shapes=normalize_shapes(shapes, len(dts), allow_unknown_dims=False),
             names=normalize_names(names, len(dts)),
-            capacity=-1 if int(capacity) < 0 else int(capacity),
+            capacity=check_capacity(capacity),
         )
         super().__init__(
             spec, shared_name=shared_name, name=name, container=container, client=client

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from qps import keys
-from qps.errors import NotFoundError
+from qps.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    QpsError,
+    UnavailableError,
+)
 from qps.queues.large import (
     BATCH_ENTRY,
     REF,
@@ -17,6 +23,15 @@ from qps.queues.large import (
     read_batch_rows,
 )
 from qps.queues.spec import QueueSpec
+from qps.queues.state import (
+    DW_ENTRY,
+    EW_ENTRY,
+    check_meta,
+    corrupt,
+    count,
+    size_of_replies,
+    size_reads,
+)
 from qps.transport import Client, map_errors
 
 #: bytes in front of each stored element of a priority queue: an 8-byte order-preserving
@@ -74,33 +89,44 @@ async def queue_stats(
         pipe.lrange(prefix + "ew", 0, -1)
         pipe.lrange(prefix + "dw", 0, -1)
         pipe.llen(prefix + "dlq")
-        meta, ew, dw, dlq = await pipe.execute()
-        if not meta:
-            raise NotFoundError(f"no queue '{name}' in container '{container}'")
-        spec = QueueSpec.from_json(meta[b"spec"])
+        replies = await pipe.execute(raise_on_error=False)
+    for part, r in zip(("meta", "ew", "dw", "dlq"), replies):
+        if isinstance(r, BaseException):
+            raise corrupt(prefix + part, f"cannot be read ({r})")
+    meta, ew, dw, dlq = replies
+    if not meta:
+        raise NotFoundError(f"no queue '{name}' in container '{container}'")
+    spec = check_meta(meta, prefix + "meta")
+    for e in ew:
+        if not EW_ENTRY.fullmatch(e):
+            raise corrupt(prefix + "ew", f"holds {bytes(e[:60])!r}, not an attempt entry")
+    ids = []
+    for e in dw:
+        if not DW_ENTRY.fullmatch(e):
+            raise corrupt(prefix + "dw", f"holds {bytes(e[:60])!r}, not an attempt entry")
+        ids.append(e.decode().rsplit("|", 1)[1])
+    reads = size_reads(spec.kind, prefix)
+    with map_errors():
         pipe = client.commands.pipeline(transaction=True)
-        if spec.kind == "shuffle":
-            pipe.hget(prefix + "meta", "n")
-        elif spec.kind == "priority":
-            pipe.zcard(prefix + "items")
-        else:
-            pipe.llen(prefix + "items")
-            pipe.hget(prefix + "meta", "x")  # the rows of batch entries beyond one each
-        for e in dw:
-            pipe.lrange(f"{prefix}a:{e.decode().rsplit('|', 1)[1]}:h", 0, -1)
-        got = await pipe.execute()
-        size = int(got[0] or 0)
-        if spec.kind in ("fifo", "padding"):
-            size += int(got.pop(1) or 0)
-        held = sum(elements(h) for h in got[1:])
+        for command in reads:
+            pipe.execute_command(*command)
+        for i in ids:
+            pipe.lrange(f"{prefix}a:{i}:h", 0, -1)
+        got = await pipe.execute(raise_on_error=False)
+    size = size_of_replies(got[: len(reads)], spec.kind, prefix)
+    held = 0
+    for i, h in zip(ids, got[len(reads) :]):
+        if isinstance(h, BaseException):
+            raise corrupt(f"{prefix}a:{i}:h", f"cannot be read ({h})")
+        held += elements(h)
     return QueueStats(
         name=name,
         container=container,
         spec=spec,
         size=size,
         closed=meta.get(b"closed") == b"1",
-        enqueued_total=int(meta.get(b"enq", 0)),
-        dequeued_total=int(meta.get(b"deq", 0)),
+        enqueued_total=count(meta.get(b"enq"), prefix + "meta", "enq"),
+        dequeued_total=count(meta.get(b"deq"), prefix + "meta", "deq"),
         pending_enqueues=sum(1 for e in ew if e.startswith(b"e|")),
         pending_dequeues=len(dw),
         held=held,
@@ -207,23 +233,33 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
     """
     prefix = keys.queue_prefix(container, name)
     with map_errors():
-        kind = await client.commands.hget(prefix + "meta", "kind")
-        if kind is None:
-            raise NotFoundError(f"no queue '{name}' in container '{container}'")
-        if k <= 0:
-            return []
-        if kind == b"shuffle":
-            n = int(await client.commands.hget(prefix + "meta", "n") or 0)
-            fields = list(range(min(k, n)))
-            got = await client.commands.hmget(prefix + "items", fields) if fields else []
-            raw = [as_bytes(b) for b in got if b is not None]
-        elif kind == b"priority":
-            members = await client.commands.zrange(prefix + "items", 0, k - 1)
-            raw = [as_bytes(b)[PRIORITY_KEY_BYTES:] for b in members]  # type: ignore[arg-type]
-        else:
-            raw = [as_bytes(b) for b in await client.commands.lrange(prefix + "items", 0, k - 1)]
-    # reads only: nothing released; a batch entry gives all of its rows
-    rows = (await read_batch_rows(client, prefix, list(raw)))[:k]
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hgetall(prefix + "meta")
+        (meta,) = await pipe.execute(raise_on_error=False)
+    if isinstance(meta, BaseException):
+        raise corrupt(prefix + "meta", f"cannot be read ({meta})")
+    if not meta:
+        raise NotFoundError(f"no queue '{name}' in container '{container}'")
+    kind = check_meta(meta, prefix + "meta").kind.encode()
+    if k <= 0:
+        return []
+    try:
+        with map_errors():
+            if kind == b"shuffle":
+                n = count(meta.get(b"n"), prefix + "meta", "n")
+                fields = list(range(min(k, n)))
+                got = await client.commands.hmget(prefix + "items", fields) if fields else []
+                raw = [as_bytes(b) for b in got if b is not None]
+            elif kind == b"priority":
+                members = await client.commands.zrange(prefix + "items", 0, k - 1)
+                raw = [as_bytes(b)[PRIORITY_KEY_BYTES:] for b in members]  # type: ignore[arg-type]
+            else:
+                listed = await client.commands.lrange(prefix + "items", 0, k - 1)
+                raw = [as_bytes(b) for b in listed]
+        # reads only: nothing released; a batch entry gives all of its rows
+        rows = (await read_batch_rows(client, prefix, list(raw)))[:k]
+    except InternalError as exc:  # a key of the wrong type
+        raise corrupt(prefix + "items", f"its elements cannot be read ({exc})") from exc
     return [
         await _assemble(client, prefix, bytes(r)) if r[:3] == REF else StoredElement(bytes(r))
         for r in rows
@@ -231,10 +267,61 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
 
 
 async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
-    """Names of the queues registered in ``container``, sorted."""
+    """Names of the queues registered in ``container``, sorted.
+
+    Raises:
+        DataLossError: the registry is not a set (the key named).
+    """
+    key = keys.container_queues(container)
     with map_errors():
-        names = await client.commands.smembers(keys.container_queues(container))
-    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.smembers(key)
+        (names,) = await pipe.execute(raise_on_error=False)
+    if isinstance(names, BaseException):
+        raise corrupt(key, f"cannot be read as a set of queue names ({names})")
+    return sorted(
+        n.decode(errors="backslashreplace") if isinstance(n, bytes) else str(n) for n in names
+    )
+
+
+@dataclass(frozen=True)
+class BrokenQueue:
+    """A registered queue whose state cannot be read (see :func:`scan_queues`).
+
+    Attributes:
+        name, container: where it lives.
+        error: what is wrong, naming the key.
+    """
+
+    name: str
+    container: str
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "container": self.container, "broken": self.error}
+
+
+async def scan_queues(
+    client: Client, container: str = keys.DEFAULT_CONTAINER
+) -> list[QueueStats | BrokenQueue]:
+    """The :class:`QueueStats` of every queue registered in ``container``, in name
+    order; a queue whose state is corrupt (or whose registered name is not a valid
+    one) is listed as a :class:`BrokenQueue` instead of failing the whole listing.
+    Queues deleted since they were listed are left out."""
+    out: list[QueueStats | BrokenQueue] = []
+    for name in await list_queues(client, container):
+        try:
+            keys.check_name(name)
+            out.append(await queue_stats(client, name, container))
+        except NotFoundError:  # deleted between the listing and now
+            continue
+        except InvalidArgumentError as exc:
+            out.append(BrokenQueue(name, container, f"registered under an invalid name: {exc}"))
+        except QpsError as exc:
+            if isinstance(exc, UnavailableError):
+                raise
+            out.append(BrokenQueue(name, container, str(exc)))
+    return out
 
 
 async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:

@@ -18,12 +18,14 @@ stored are released by the scripts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from qps import buffers, wire
+from qps.errors import InternalError
 from qps.transport import Client, map_errors, write_all
 
 #: Elements larger than this travel out of line, as chunks of this size (measured:
@@ -50,26 +52,37 @@ def is_ref(blob: Any) -> bool:
     return bool(tag in (REF, BATCH_REF, BATCH_ENTRY))
 
 
+#: The most bytes one value of Redis holds (its proto-max-bulk-len): a bound on what a
+#: reference may claim to stand for.
+MAX_VALUE_BYTES = 512 << 20
+_DIGITS = rb"([0-9]{1,12})"
+_QB = re.compile(rb"QB\|([^|]+)\|" + _DIGITS + rb"\|" + _DIGITS + rb"\|" + _DIGITS)
+_QS = re.compile(rb"QS\|([^|]+)\|" + _DIGITS + rb"\|" + _DIGITS)
+_QR = re.compile(rb"QR\|([^|]+)\|" + _DIGITS + rb"\|" + _DIGITS)
+
+
 def parse_batch_entry(entry: bytes) -> tuple[str, int, int, int] | None:
-    """``(bid, first row, rows, row bytes)`` of a batch entry, or None if not one."""
-    try:
-        tag, bid, first, rows, size = entry.decode("ascii").split("|")
-        if tag != "QB":
-            return None
-        return bid, int(first), int(rows), int(size)
-    except ValueError:
+    """``(bid, first row, rows, row bytes)`` of a batch entry, or None if not a
+    well-formed one (digits only, as the scripts read it; rows that fit one value)."""
+    m = _QB.fullmatch(entry)
+    if m is None:
         return None
+    first, rows, size = int(m[2]), int(m[3]), int(m[4])
+    if rows < 1 or size < 1 or (first + rows) * size > MAX_VALUE_BYTES:
+        return None
+    return m[1].decode("ascii", "replace"), first, rows, size
 
 
 def parse_batch_ref(ref: bytes) -> tuple[str, int, int] | None:
-    """``(bid, row, row bytes)`` of a batch-row reference, or None if ``ref`` is not one."""
-    try:
-        tag, bid, row, size = ref.decode("ascii").split("|")
-        if tag != "QS":
-            return None
-        return bid, int(row), int(size)
-    except ValueError:
+    """``(bid, row, row bytes)`` of a batch-row reference, or None if ``ref`` is not a
+    well-formed one."""
+    m = _QS.fullmatch(ref)
+    if m is None:
         return None
+    row, size = int(m[2]), int(m[3])
+    if size < 1 or (row + 1) * size > MAX_VALUE_BYTES:
+        return None
+    return m[1].decode("ascii", "replace"), row, size
 
 
 def batch_key(prefix: str, bid: str) -> str:
@@ -190,7 +203,7 @@ def _rows_at(runs: list[Run], datas: list[Any]) -> dict[int, list[Any]]:
     short are left out."""
     at: dict[int, list[Any]] = {}
     for (_, _, count, size, where), data in zip(runs, datas):
-        if len(data) != count * size:
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != count * size:
             continue
         view = memoryview(data)
         if len(where) == count:
@@ -270,14 +283,17 @@ def release_args(blobs: Sequence[Any]) -> list[str]:
 
 
 def parse_ref(ref: bytes) -> tuple[str, int, int] | None:
-    """``(bid, nchunks, total bytes)`` of a reference, or None if ``ref`` is not one."""
-    try:
-        tag, bid, count, total = ref.decode("ascii").split("|")
-        if tag != "QR":
-            return None
-        return bid, int(count), int(total)
-    except ValueError:  # UnicodeDecodeError included
+    """``(bid, nchunks, total bytes)`` of a reference, or None if ``ref`` is not a
+    well-formed one: digits only, at least one byte, no more than a message holds, in
+    as many chunks of CHUNK_BYTES as it takes (the reader puts chunk k at k *
+    CHUNK_BYTES)."""
+    m = _QR.fullmatch(ref)
+    if m is None:
         return None
+    count, total = int(m[2]), int(m[3])
+    if not 1 <= total <= wire.MAX_MESSAGE_BYTES or count != -(-total // CHUNK_BYTES):
+        return None
+    return m[1].decode("ascii", "replace"), count, total
 
 
 def chunk_keys(prefix: str, bid: str, nchunks: int) -> list[str]:
@@ -334,7 +350,10 @@ async def fetch_large(
         for buf, ks in zip(bufs, names)
         for k in range(len(ks))
     ]
-    got = await client.read_into([k for ks in names for k in ks], targets)
+    try:
+        got = await client.read_into([k for ks in names for k in ks], targets)
+    except InternalError:  # a chunk key holds no string: read them one by one below
+        got = None
     if got is not None:
         pos = 0
         for (i, _), ks, buf in zip(refs, names, bufs):
@@ -349,20 +368,19 @@ async def fetch_large(
             for ks in names:
                 for key in ks:
                     pipe.get(key)
-            chunks = await pipe.execute()
+            chunks = await pipe.execute(raise_on_error=False)
         pos = 0
         for (i, (_, _, total)), ks in zip(refs, names):
             parts = chunks[pos : pos + len(ks)]
             pos += len(ks)
-            if any(c is None for c in parts):
-                continue  # left as a reference: reported as missing by _split_bad
+            want = [min(CHUNK_BYTES, total - k * CHUNK_BYTES) for k in range(len(ks))]
+            if any(not isinstance(c, bytes) or len(c) != w for c, w in zip(parts, want)):
+                continue  # left as a reference: reported as missing or corrupt by _split_bad
             joined = bytearray(total)
             view = memoryview(joined)
-            at = 0
-            for c in parts:
-                view[at : at + len(c)] = c
-                at += len(c)
-            out[i] = joined if at == len(joined) else blobs[i]
+            for k, c in enumerate(parts):
+                view[k * CHUNK_BYTES : k * CHUNK_BYTES + len(c)] = c
+            out[i] = joined
     if delete:
         with map_errors():
             await client.commands.unlink(*[k for ks in names for k in ks])

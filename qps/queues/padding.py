@@ -8,7 +8,13 @@ import numpy as np
 
 from qps.errors import InvalidArgumentError
 from qps.queues.base import QueueBase
-from qps.queues.spec import QueueSpec, normalize_dtypes, normalize_names, normalize_shapes
+from qps.queues.spec import (
+    QueueSpec,
+    check_capacity,
+    normalize_dtypes,
+    normalize_names,
+    normalize_shapes,
+)
 from qps.transport import Client
 
 
@@ -53,7 +59,7 @@ class PaddingFIFOQueue(QueueBase):
             dtypes=dts,
             shapes=normalize_shapes(shapes, len(dts), allow_unknown_dims=True),
             names=normalize_names(names, len(dts)),
-            capacity=-1 if int(capacity) < 0 else int(capacity),
+            capacity=check_capacity(capacity),
         )
         super().__init__(
             spec, shared_name=shared_name, name=name, container=container, client=client

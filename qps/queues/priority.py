@@ -8,7 +8,13 @@ import numpy as np
 
 from qps.queues.base import QueueBase
 from qps.queues.inspect import PRIORITY_KEY_BYTES
-from qps.queues.spec import QueueSpec, normalize_dtypes, normalize_names, normalize_shapes
+from qps.queues.spec import (
+    QueueSpec,
+    check_capacity,
+    normalize_dtypes,
+    normalize_names,
+    normalize_shapes,
+)
 from qps.transport import Client
 
 #: the sequence part of a key before the queue stamps it (qps/lua/queue_common.lua)
@@ -74,7 +80,7 @@ class PriorityQueue(QueueBase):
             dtypes=all_dtypes,
             shapes=((), *user_shapes),
             names=normalize_names(names, len(all_dtypes)),
-            capacity=-1 if int(capacity) < 0 else int(capacity),
+            capacity=check_capacity(capacity),
         )
         super().__init__(
             spec, shared_name=shared_name, name=name, container=container, client=client

@@ -6,7 +6,13 @@ from typing import Any
 
 from qps.errors import InvalidArgumentError
 from qps.queues.base import QueueBase
-from qps.queues.spec import QueueSpec, normalize_dtypes, normalize_names, normalize_shapes
+from qps.queues.spec import (
+    QueueSpec,
+    check_capacity,
+    normalize_dtypes,
+    normalize_names,
+    normalize_shapes,
+)
 from qps.transport import Client
 
 
@@ -50,7 +56,7 @@ class RandomShuffleQueue(QueueBase):
         client: Client | None = None,
     ) -> None:
         dts = normalize_dtypes(dtypes)
-        capacity = -1 if int(capacity) < 0 else int(capacity)
+        capacity = check_capacity(capacity)
         min_after_dequeue = int(min_after_dequeue)
         if min_after_dequeue < 0:
             raise InvalidArgumentError(f"min_after_dequeue {min_after_dequeue} must be >= 0")

@@ -48,6 +48,29 @@ Spelled ``"string"`` in a stored spec; values are ``S<n>`` arrays (``n`` varies)
 
 STRING_CODE = "string"
 
+#: The largest capacity, ``min_after_dequeue`` and count a queue call accepts: 2**53 - 1,
+#: the largest integer the Lua scripts' numbers (doubles) hold exactly.
+MAX_COUNT = 2**53 - 1
+
+
+def check_capacity(capacity: Any, what: str = "capacity") -> int:
+    """``capacity`` as an int, negative ones as -1 (unbounded).
+
+    Raises:
+        InvalidArgumentError: not an integer, or above :data:`MAX_COUNT`.
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        try:
+            exact = int(capacity) == capacity
+        except (TypeError, ValueError, OverflowError):
+            exact = False
+        if not exact:
+            raise InvalidArgumentError(f"{what} must be an integer, got {capacity!r}")
+    n = int(capacity)
+    if n > MAX_COUNT:
+        raise InvalidArgumentError(f"{what} {n} is above the most a queue holds, {MAX_COUNT}")
+    return -1 if n < 0 else n
+
 
 def is_string(dt: np.dtype[Any]) -> bool:
     """Whether ``dt`` is a bytes dtype (the queue's ``STRING`` or any ``S<n>``)."""
@@ -182,6 +205,16 @@ class QueueSpec:
     capacity: int
     min_after_dequeue: int = 0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CLASS_NAMES:
+            raise InvalidArgumentError(f"unknown queue kind {self.kind!r}")
+        if not -1 <= self.capacity <= MAX_COUNT:
+            raise InvalidArgumentError(f"capacity {self.capacity} is outside [-1, {MAX_COUNT}]")
+        if not 0 <= self.min_after_dequeue <= MAX_COUNT:
+            raise InvalidArgumentError(
+                f"min_after_dequeue {self.min_after_dequeue} is outside [0, {MAX_COUNT}]"
+            )
 
     @property
     def class_name(self) -> str:
