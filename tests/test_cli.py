@@ -34,6 +34,7 @@ from qps.cli import queue as cli_queue
 from qps.cli.main import cli, run
 from qps.errors import CancelledError
 from qps.queues import list_queues, queue_stats
+from tests.conftest import on_cluster
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -204,7 +205,8 @@ def test_ls_and_stat_show_a_broken_queue(
     make_fifo(redis_url, container, "good", n=2)
     make_fifo(redis_url, container, "bad", n=3)
     prefix = f"qps:{{{container}/q/bad}}:"
-    with redis.Redis.from_url(redis_url) as r:
+    kind = redis.RedisCluster if on_cluster(redis_url) else redis.Redis
+    with kind.from_url(redis_url) as r:
         if field == "items":
             r.delete(prefix + "items")
             r.set(prefix + "items", "not a list")
