@@ -826,7 +826,7 @@ async def restore(
                 )
     with map_errors():
         pipe = client.commands.pipeline(transaction=False)
-        pipe.sadd(keys.CONTAINERS, cont)
+        pipe.set(keys.registration(cont), 1, nx=True)
         if m["placement"]:
             pipe.hset(keys.ps_placement(cont), mapping=dict(m["placement"]))
         if m["config"]:

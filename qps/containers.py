@@ -4,9 +4,16 @@ and accumulators (TF 1.x: the containers of a server's ResourceMgr).
 A container is nothing but a naming rule (see :mod:`qps.keys`): every key of container
 ``C`` starts with ``qps:{C}:`` or ``qps:{C/``. Each kind of resource registers its names
 in a set ``qps:{C}:<kind>`` (``queues``, ``counters``, ``variables``,
-``accumulators``), and ``qps:containers`` lists the containers. Because of the rule,
-:func:`reset` can delete a container by pattern (SCAN + UNLINK) without knowing its
-resources, and never touches a key of another container.
+``accumulators``), and the container registers itself with ``qps:{C}:registered``
+(:mod:`qps.registry`, which lists the containers). Because of the rule, :func:`reset`
+can delete a container by pattern (SCAN + UNLINK) without knowing its resources, and
+never touches a key of another container.
+
+What is read back is not trusted: a registry set of another type, a member that is no
+valid name, a counter that holds no int64 are reported (:attr:`ContainerStats.problems`,
+:attr:`ResetResult.skipped`) or raised as a :class:`~qps.errors.DataLossError` naming
+the key, never a bare Python exception, and they never stop the other containers from
+being listed or reset.
 
 This module also holds :class:`Counter`, a named int64 counter in a container (TF's
 global step builds on it).
@@ -15,34 +22,40 @@ global step builds on it).
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from qps import keys
-from qps.errors import InternalError, InvalidArgumentError, NotFoundError, OutOfRangeError
-from qps.transport import Client, map_errors
+from redis.exceptions import RedisError
+
+from qps import keys, registry
+from qps.counters import INT64_MAX, INT64_MIN, Counter, counter_values, list_counters
+from qps.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from qps.registry import (
+    SCAN_COUNT,
+    ContainerSummary,
+    Listing,
+    container_summaries,
+    list_containers,
+    register_container,
+)
+from qps.transport import Client, map_errors, translate
 
 log = logging.getLogger("qps.containers")
 
-#: SCAN ``COUNT`` hint: keys the server looks at per SCAN call.
-SCAN_COUNT = 1000
 #: Keys per ``UNLINK`` (and per ``MEMORY USAGE`` pipeline) call.
 BATCH = 500
 #: :func:`reset` scans a container again until a pass finds nothing, at most this often
 #: (a later pass only finds keys that a live process wrote during the previous one).
 MAX_RESET_PASSES = 5
 
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
-
 #: Plural kind names, in the order they are reported.
-KINDS: tuple[str, ...] = tuple(keys.RESOURCE_KINDS.values())
-
-
-def _text(x: bytes | str) -> str:
-    return x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
+KINDS = registry.KINDS
+_text = registry.text_of
 
 
 def check_containers(containers: Iterable[str]) -> list[str]:
@@ -64,118 +77,98 @@ def check_containers(containers: Iterable[str]) -> list[str]:
     return out
 
 
-# -- registry ---------------------------------------------------------------------------
+# -- registry (qps/registry.py) -----------------------------------------------------------
+
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "SCAN_COUNT",
+    "ContainerStats",
+    "ContainerSummary",
+    "Counter",
+    "Listing",
+    "ResetResult",
+    "check_containers",
+    "container_stats",
+    "container_summaries",
+    "list_containers",
+    "list_counters",
+    "register_container",
+    "reset",
+    "resource_names",
+    "scan_container_keys",
+]
 
 
-async def register_container(client: Client, container: str) -> None:
-    """Add ``container`` to the list of containers (``qps:containers``).
-
-    Raises:
-        InvalidArgumentError: an invalid container name.
-    """
-    keys.check_container(container)
+async def _resources(client: Client, container: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The valid names in each registry set of ``container``, and what was skipped: a
+    set that is another type of key, a member that is not a valid resource name."""
+    tags = list(keys.RESOURCE_KINDS)
     with map_errors():
-        await client.commands.sadd(keys.CONTAINERS, container)
+        pipe = client.commands.pipeline(transaction=False)
+        for tag in tags:
+            pipe.smembers(keys.container_registry(container, tag))
+        replies = await pipe.execute(raise_on_error=False)
+    out: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for tag, kind, members in zip(tags, KINDS, replies, strict=True):
+        where = keys.container_registry(container, tag)
+        if isinstance(members, Exception):
+            err = translate(members) if isinstance(members, RedisError) else members
+            if isinstance(err, PermissionDeniedError):
+                raise err from members
+            problems.append(f"{where}: {members}")
+            out[kind] = []
+            continue
+        names = []
+        for raw in members:
+            name = _valid_name(raw)
+            if name is None:
+                problems.append(f"{where} holds {raw!r}, not a valid resource name: skipped")
+            else:
+                names.append(name)
+        out[kind] = sorted(names)
+    return out, sorted(problems)
 
 
-async def _discover(client: Client) -> set[str]:
-    """Containers that own at least one key, found by scanning the whole keyspace."""
-    found: set[str] = set()
-    with map_errors():
-        async for key in client.commands.scan_iter(match=keys.ALL_CONTAINER_KEYS, count=SCAN_COUNT):
-            c = keys.container_of(key)
-            if c is not None:
-                found.add(c)
-    return found
-
-
-async def list_containers(client: Client, *, discover: bool = False) -> list[str]:
-    """Names of the containers, sorted.
-
-    Args:
-        discover: also scan the whole keyspace for containers that own keys but are not
-            registered (left over by a crashed :func:`reset`, or written by hand). This
-            costs one full SCAN of the database.
-    """
-    with map_errors():
-        names = {_text(n) for n in await client.commands.smembers(keys.CONTAINERS)}
-    if discover:
-        names |= await _discover(client)
-    return sorted(names)
+def _valid_name(raw: bytes | str) -> str | None:
+    try:
+        return keys.check_name(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, ValueError):  # InvalidArgumentError is a ValueError
+        return None
 
 
 async def resource_names(client: Client, container: str) -> dict[str, list[str]]:
     """The registered resources of ``container``: kind (``"queues"``, ``"counters"``,
-    ``"variables"``, ``"accumulators"``) -> sorted names. Empty lists for a missing one.
+    ``"variables"``, ``"accumulators"``) -> sorted names. Empty lists for a missing one;
+    a registry set that is another type of key, and members that are not valid names,
+    are left out (:func:`container_stats` reports them).
     """
     keys.check_container(container)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for tag in keys.RESOURCE_KINDS:
-            pipe.smembers(keys.container_registry(container, tag))
-        replies = await pipe.execute()
-    return {
-        kind: sorted(_text(n) for n in members)
-        for kind, members in zip(KINDS, replies, strict=True)
-    }
-
-
-@dataclass(frozen=True)
-class ContainerSummary:
-    """One row of ``qps container ls``: a container and how many resources of each kind
-    it has registered (read from the registry sets; no scan)."""
-
-    name: str
-    registered: bool
-    resources: dict[str, int]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "registered": self.registered, **self.resources}
-
-
-async def container_summaries(client: Client, *, discover: bool = False) -> list[ContainerSummary]:
-    """A :class:`ContainerSummary` for each container (see :func:`list_containers`)."""
-    with map_errors():
-        registered = {_text(n) for n in await client.commands.smembers(keys.CONTAINERS)}
-    names = set(registered)
-    if discover:
-        names |= await _discover(client)
-    ordered = sorted(names)
-    if not ordered:
-        return []
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for name in ordered:
-            for tag in keys.RESOURCE_KINDS:
-                pipe.scard(keys.container_registry(name, tag))
-        counts = await pipe.execute()
-    n = len(KINDS)
-    return [
-        ContainerSummary(
-            name=name,
-            registered=name in registered,
-            resources={k: int(v) for k, v in zip(KINDS, counts[i * n : (i + 1) * n])},
-        )
-        for i, name in enumerate(ordered)
-    ]
+    return (await _resources(client, container))[0]
 
 
 # -- keys of a container --------------------------------------------------------------------
 
 
-async def scan_container_keys(client: Client, container: str) -> AsyncIterator[bytes]:
+async def scan_container_keys(
+    client: Client, container: str, *, registration: bool = False
+) -> AsyncIterator[bytes]:
     """Every key of ``container`` (SCAN: keys that exist for the whole iteration are
     yielded at least once; a key may be yielded twice). Never a key of another container.
+
+    Its registration key (:func:`qps.keys.registration`) only with ``registration=True``:
+    it is no state of the container's resources (a container that holds only it, as a
+    Session that opened and created nothing leaves it, counts as empty).
     """
     keys.check_container(container)
+    mark = keys.registration(container).encode()
     for pattern in keys.container_key_patterns(container):
-        with map_errors():
-            async for key in client.commands.scan_iter(match=pattern, count=SCAN_COUNT):
-                raw = key if isinstance(key, bytes) else str(key).encode()
-                # The pattern already guarantees this; a key of another container must
-                # never reach UNLINK, whatever a future pattern bug does.
-                if keys.container_of(raw) == container:
-                    yield raw
+        async for key in registry.scan_keys(client, pattern):
+            # The pattern already guarantees this; a key of another container must
+            # never reach UNLINK, whatever a future pattern bug does.
+            if keys.container_of(key) == container and (registration or key != mark):
+                yield key
 
 
 def _kind_label(key: bytes) -> str:
@@ -191,7 +184,7 @@ class ContainerStats:
 
     Attributes:
         name: the container.
-        registered: listed in ``qps:containers``.
+        registered: it has its registration key (or is in the legacy set).
         resources: kind -> registered names (``queues``, ``counters``, ``variables``,
             ``accumulators``).
         counters: counter name -> value (counters whose key is missing are left out).
@@ -203,6 +196,8 @@ class ContainerStats:
         memory_by_kind: the same by kind, or None.
         memory_note: why memory is None (the server lacks ``MEMORY USAGE``, e.g.
             fakeredis, or it was not asked for); None when measured.
+        problems: corrupt state met and left out, each naming its key (a registry set
+            of another type, an invalid name in one, a counter that holds no int64).
     """
 
     name: str
@@ -214,6 +209,7 @@ class ContainerStats:
     memory_bytes: int | None
     memory_by_kind: dict[str, int] | None
     memory_note: str | None = None
+    problems: tuple[str, ...] = ()
 
     @property
     def resource_counts(self) -> dict[str, int]:
@@ -231,6 +227,7 @@ class ContainerStats:
             "memory_bytes": self.memory_bytes,
             "memory_by_kind": self.memory_by_kind,
             "memory_note": self.memory_note,
+            "problems": list(self.problems),
         }
 
 
@@ -255,24 +252,25 @@ async def _memory(client: Client, found: list[bytes]) -> tuple[dict[str, int] | 
 async def container_stats(client: Client, name: str, *, memory: bool = True) -> ContainerStats:
     """Read what container ``name`` holds: its registered resources, counter values,
     key count and (``memory=True``, where the server supports ``MEMORY USAGE``) a memory
-    estimate. Costs a SCAN of the database, plus one ``MEMORY USAGE`` per key.
+    estimate. Costs a SCAN of the database, plus one ``MEMORY USAGE`` per key. Corrupt
+    state is left out and listed in :attr:`ContainerStats.problems`.
 
     Raises:
         InvalidArgumentError: an invalid container name.
         NotFoundError: the container is neither registered nor owns any key.
+        PermissionDeniedError: the credentials do not reach the container.
     """
     keys.check_container(name)
-    with map_errors():
-        registered = bool(await client.commands.sismember(keys.CONTAINERS, name))
-    resources = await resource_names(client, name)
-    found = sorted({k async for k in scan_container_keys(client, name)})
+    registered = await registry.is_registered(client, name)
+    resources, problems = await _resources(client, name)
+    found = sorted({k async for k in scan_container_keys(client, name, registration=True)})
     if not registered and not found:
         raise NotFoundError(f"no container '{name}'")
     keys_by_kind: dict[str, int] = {}
     for key in found:
         label = _kind_label(key)
         keys_by_kind[label] = keys_by_kind.get(label, 0) + 1
-    counters = await _counter_values(client, name, resources["counters"])
+    counters, bad = await counter_values(client, name, resources["counters"])
     mem_by_kind: dict[str, int] | None = None
     note: str | None = "not measured (memory=False)"
     if memory:
@@ -287,6 +285,7 @@ async def container_stats(client: Client, name: str, *, memory: bool = True) -> 
         memory_bytes=None if mem_by_kind is None else sum(mem_by_kind.values()),
         memory_by_kind=None if mem_by_kind is None else dict(sorted(mem_by_kind.items())),
         memory_note=note,
+        problems=tuple(problems + bad),
     )
 
 
@@ -305,6 +304,9 @@ class ResetResult:
         passes: SCAN passes made; the last one found nothing unless ``clean`` is False.
         clean: the last pass found no key. False means some process kept writing into
             the container during the reset (:data:`MAX_RESET_PASSES` passes).
+        skipped: why nothing was done, for an entry of the legacy registry that is no
+            valid container name (``container`` then shows it as text; the entry is
+            removed from that set where the credentials allow); None otherwise.
     """
 
     container: str
@@ -313,9 +315,10 @@ class ResetResult:
     resources: dict[str, list[str]] = field(default_factory=dict)
     passes: int = 0
     clean: bool = True
+    skipped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "container": self.container,
             "existed": self.existed,
             "keys_deleted": self.keys_deleted,
@@ -323,6 +326,9 @@ class ResetResult:
             "passes": self.passes,
             "clean": self.clean,
         }
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        return out
 
 
 async def _unlink(client: Client, batch: list[bytes]) -> int:
@@ -331,9 +337,11 @@ async def _unlink(client: Client, batch: list[bytes]) -> int:
 
 
 async def _reset_one(client: Client, container: str) -> ResetResult:
-    with map_errors():
-        registered = bool(await client.commands.sismember(keys.CONTAINERS, container))
-    resources = await resource_names(client, container)
+    registered = await registry.is_registered(client, container)
+    resources, problems = await _resources(client, container)
+    for p in problems:
+        log.warning("container %r: %s (deleted with the rest)", container, p)
+    mark = keys.registration(container).encode()
     deleted = 0
     seen_keys = False
     passes = 0
@@ -342,7 +350,7 @@ async def _reset_one(client: Client, container: str) -> ResetResult:
         passes += 1
         found_last = 0
         batch: list[bytes] = []
-        async for key in scan_container_keys(client, container):
+        async for key in scan_container_keys(client, container):  # all but `mark`
             found_last += 1
             batch.append(key)
             if len(batch) >= BATCH:
@@ -363,7 +371,8 @@ async def _reset_one(client: Client, container: str) -> ResetResult:
     # Unregistered last: a reset that dies half-way leaves the container listed, so
     # running it again finishes the job.
     with map_errors():
-        await client.commands.srem(keys.CONTAINERS, container)
+        deleted += int(await client.commands.unlink(mark))
+    await registry.drop_legacy_entry(client, container.encode())
     return ResetResult(
         container=container,
         existed=registered or seen_keys,
@@ -379,7 +388,9 @@ async def reset(client: Client, containers: Iterable[str] | None = None) -> list
     ``tf.Session.reset(target, containers)``).
 
     ``containers=None`` resets **every** container (the registered ones and any found
-    by scanning), as TF does. A container that does not exist is reported with
+    by scanning), as TF does; an entry of the legacy registry that is no valid name is
+    skipped, reported with :attr:`ResetResult.skipped`, and dropped from that set. A
+    container that does not exist is reported with
     ``existed=False``; it is not an error. Keys of other containers are never touched,
     even when one name is a prefix of another ("a" and "ab").
 
@@ -390,187 +401,17 @@ async def reset(client: Client, containers: Iterable[str] | None = None) -> list
     Raises:
         InvalidArgumentError: an invalid name (checked before anything is deleted), or
             a single string instead of a list.
+        PermissionDeniedError: the credentials do not reach a container (nothing of it
+            is deleted: UNLINK is refused whole).
     """
-    if containers is None:
-        names = await list_containers(client, discover=True)
-    else:
-        names = check_containers(containers)
-    return [await _reset_one(client, c) for c in names]
-
-
-# -- counters ------------------------------------------------------------------------------
-
-#: Changes a counter only if it exists (a counter removed by a reset stays removed
-#: instead of coming back at 0). Replies are strings: Lua numbers are doubles, and
-#: an int64 must come back exact.
-_COUNTER_SCRIPT = """
-local old = redis.call('GET', KEYS[1])
-if not old then return {'gone'} end
-if ARGV[1] == 'add' then
-  local r = redis.pcall('INCRBY', KEYS[1], ARGV[2])
-  if type(r) == 'table' and r.err then return {'err', r.err} end
-  return {'ok', redis.call('GET', KEYS[1])}
-end
-redis.call('SET', KEYS[1], ARGV[2])
-return {'ok', old}
-"""
-
-
-def _int64(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
-    if not INT64_MIN <= v <= INT64_MAX:
-        raise InvalidArgumentError(f"{what} {v} does not fit in int64")
-    return v
-
-
-def _parse_int(raw: bytes | str, where: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise InternalError(f"{where} holds {raw!r}, not an integer") from None
-
-
-async def _counter_values(client: Client, container: str, names: list[str]) -> dict[str, int]:
-    if not names:
-        return {}
-    with map_errors():
-        counter_keys = [keys.counter_key(container, n) for n in names]
-        # each counter has a hash tag of its own: on a cluster, MGET per slot
-        mget = cast(Any, client.commands).mget_nonatomic if client.cluster else client.commands.mget
-        raw = await mget(counter_keys)
-    return {
-        n: _parse_int(v, f"counter '{container}/{n}'")
-        for n, v in zip(names, raw, strict=True)
-        if v is not None
-    }
-
-
-async def list_counters(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
-    """Names of the counters registered in ``container``, sorted."""
-    keys.check_container(container)
-    with map_errors():
-        names = await client.commands.smembers(keys.container_counters(container))
-    return sorted(_text(n) for n in names)
-
-
-class Counter:
-    """A named int64 counter in a container, shared by every process that opens the
-    same name (TF's global step builds on it).
-
-    The counter is created with ``initial`` on first use if it does not exist yet; an
-    existing one keeps its value (the first creator wins, as with TF's shared
-    resources). Every change is one atomic server-side step.
-
-    Args:
-        name: the counter's name (``[A-Za-z0-9_.:/-]``, 1-200 characters).
-        container: the resource container (default ``"default"``).
-        client: a :class:`qps.Client`; defaults to the process-wide one.
-        initial: the value a new counter starts from.
-
-    Raises:
-        InvalidArgumentError: an invalid name, container or initial value.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        *,
-        container: str | None = None,
-        client: Client | None = None,
-        initial: int = 0,
-    ) -> None:
-        self._name = keys.check_name(name)
-        self._container = keys.check_container(container or keys.DEFAULT_CONTAINER)
-        self._client = client
-        self._initial = _int64(initial, "initial value")
-        self._key = keys.counter_key(self._container, self._name)
-        self._opened = False
-        self._script: Any = None
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def container(self) -> str:
-        return self._container
-
-    def __repr__(self) -> str:
-        return f"<qps.Counter {self._container}/{self._name}>"
-
-    async def _c(self) -> Client:
-        if self._client is None:
-            from qps.queues.waiters import default_client
-
-            self._client = await default_client()
-        if not self._opened:
-            with map_errors():
-                pipe = self._client.commands.pipeline(transaction=False)
-                pipe.set(self._key, self._initial, nx=True)
-                pipe.sadd(keys.CONTAINERS, self._container)
-                pipe.sadd(keys.container_counters(self._container), self._name)
-                await pipe.execute()
-            self._opened = True
-        return self._client
-
-    def _gone(self) -> NotFoundError:
-        return NotFoundError(
-            f"counter '{self._name}' no longer exists in container '{self._container}' "
-            "(was it reset?)"
-        )
-
-    async def _run(self, op: str, arg: int) -> int:
-        client = await self._c()
-        if self._script is None:
-            self._script = client.commands.register_script(_COUNTER_SCRIPT)
-        with map_errors():
-            reply = await self._script(keys=[self._key], args=[op, arg])
-        status = _text(reply[0])
-        if status == "gone":
-            raise self._gone()
-        if status == "err":
-            text = _text(reply[1])
-            if "overflow" in text:
-                raise OutOfRangeError(
-                    f"counter '{self._container}/{self._name}': adding {arg} would overflow int64"
-                )
-            raise InternalError(f"counter '{self._container}/{self._name}': {text}")
-        return _parse_int(reply[1], f"counter '{self._container}/{self._name}'")
-
-    async def get(self) -> int:
-        """The current value.
-
-        Raises:
-            NotFoundError: the counter was deleted (its container reset) since this
-                object created or found it.
-        """
-        client = await self._c()
-        with map_errors():
-            raw = await client.commands.get(self._key)
-        if raw is None:
-            raise self._gone()
-        return _parse_int(raw, f"counter '{self._container}/{self._name}'")
-
-    async def add(self, delta: int = 1) -> int:
-        """Add ``delta`` (may be negative) atomically; return the new value.
-
-        Raises:
-            InvalidArgumentError: ``delta`` is not an int64.
-            OutOfRangeError: the result would not fit in int64 (nothing changes).
-            NotFoundError: the counter was deleted (its container reset).
-        """
-        return await self._run("add", _int64(delta, "delta"))
-
-    async def set(self, value: int) -> int:
-        """Set the value atomically; return the previous one.
-
-        Raises:
-            InvalidArgumentError: ``value`` is not an int64.
-            NotFoundError: the counter was deleted (its container reset).
-        """
-        return await self._run("set", _int64(value, "value"))
+    if containers is not None:
+        return [await _reset_one(client, c) for c in check_containers(containers)]
+    found = await registry.listing(client, discover=True)
+    results = [await _reset_one(client, c) for c in found.names]
+    for raw in found.invalid:
+        why = f"{keys.CONTAINERS} holds {raw!r}, not a valid container name"
+        dropped = await registry.drop_legacy_entry(client, raw)
+        why += "; removed from it" if dropped else "; left in it (cannot write it)"
+        log.warning("reset: skipped %s", why)
+        results.append(ResetResult(_text(raw), existed=False, keys_deleted=0, skipped=why))
+    return results

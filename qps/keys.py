@@ -35,7 +35,8 @@ script touches a single slot and the same code runs on Redis Cluster::
     qps:{<container>/ps/<i>}:wake        list: pushed when shard i's lease is released
     qps:{<container>/ps/<i>}:stats       hash: shard i's counters and staleness histogram
     qps:{<container>/ps/<i>}:dlq         list: gradient messages shard i refused, with why
-    qps:containers                       set: names of all containers
+    qps:{<container>}:registered         string: the container's registration (any value)
+    qps:containers                       set: legacy registry of container names (read only)
 
 **Container rule.** Every key of container ``C`` starts with ``qps:{C}:`` (keys of the
 container itself, such as its registries) or ``qps:{C/`` (keys of one of its resources,
@@ -54,6 +55,8 @@ from __future__ import annotations
 import re
 
 ROOT = "qps"
+#: The registry of containers of earlier qps versions (a set of names, written by every
+#: process): still read as a source of names, never written (see :func:`registration`).
 CONTAINERS = f"{ROOT}:containers"
 DEFAULT_CONTAINER = "default"
 
@@ -185,6 +188,16 @@ def container_accumulators(container: str) -> str:
     return container_registry(container, "a")
 
 
+def registration(container: str) -> str:
+    """The key that registers ``container`` (a string; its value does not matter).
+
+    It lies in the container's own key space, so a Redis ACL user limited to one
+    container (``~qps:{C}:* ~qps:{C/*``) can register it and no other, and
+    ``qps.containers.reset`` deletes it with the rest. Containers are listed by
+    scanning for these keys (:data:`ALL_REGISTRATIONS`)."""
+    return container_prefix(container) + "registered"
+
+
 def glob_escape(text: str) -> str:
     """``text`` with the characters special to Redis glob patterns escaped."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -201,11 +214,23 @@ def container_key_patterns(container: str) -> tuple[str, str]:
 
 #: SCAN pattern matching the keys of every container (``qps:{...``).
 ALL_CONTAINER_KEYS = glob_escape(f"{ROOT}:{{") + "*"
+#: SCAN pattern matching every container's :func:`registration` key (and possibly
+#: other keys: a match is one only if it equals ``registration(container_of(key))``).
+ALL_REGISTRATIONS = glob_escape(f"{ROOT}:{{") + "*" + glob_escape("}:registered")
+
+
+def is_registration(key: str | bytes) -> str | None:
+    """The container that ``key`` registers, or None if it is no :func:`registration`."""
+    c = container_of(key)
+    if c is None:
+        return None
+    text = key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
+    return c if text == registration(c) else None
 
 
 def container_of(key: str | bytes) -> str | None:
     """The container a key belongs to, or None for a key outside every container
-    (``qps:containers``, or not a qps key)."""
+    (the legacy ``qps:containers``, or not a qps key)."""
     if isinstance(key, bytes):
         key = key.decode("utf-8", errors="replace")
     head = f"{ROOT}:{{"

@@ -550,7 +550,7 @@ class Variable:
                 self._layout = Layout.of(existing, _int(segb))
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
-            pipe.sadd(keys.CONTAINERS, self._container)
+            pipe.set(keys.registration(self._container), 1, nx=True)
             pipe.sadd(keys.container_variables(self._container), self._name)
             await pipe.execute()
         self._opened = True

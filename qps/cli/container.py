@@ -2,7 +2,9 @@
 
 ``ls`` and ``stat`` only read (:func:`qps.containers.container_summaries`,
 :func:`~qps.containers.container_stats`); ``reset`` deletes every key of the named
-containers (:func:`qps.containers.reset`) after a confirmation.
+containers, or of all of them (:func:`qps.containers.reset`), after a confirmation.
+Corrupt state they meet is reported on stderr (``note: ...``), never a traceback, and
+does not hide the other containers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 
 import click
 
-from qps import keys
+from qps import keys, registry
 from qps.cli import (
     EXIT_FAILURE,
     EXIT_NOT_FOUND,
@@ -38,7 +40,6 @@ from qps.containers import (
     ContainerSummary,
     ResetResult,
     container_stats,
-    container_summaries,
     reset,
 )
 from qps.errors import NotFoundError, QpsError
@@ -101,9 +102,16 @@ def container() -> None:
 # -- ls --------------------------------------------------------------------------------------
 
 
-async def _ls(url: str | None, scan: bool) -> list[ContainerSummary]:
+async def _ls(url: str | None, scan: bool) -> tuple[list[ContainerSummary], list[str]]:
     async with connected(url) as client:
-        return await container_summaries(client, discover=scan)
+        found = await registry.listing(client, discover=scan)
+        rows = await registry.summaries(client, found)
+    return rows, [*found.problems, *(p for r in rows for p in r.problems)]
+
+
+def _notes(problems: Sequence[str]) -> None:
+    for p in problems:
+        click.echo(f"note: {p}", err=True)
 
 
 @container.command(name="ls")
@@ -121,12 +129,15 @@ async def _ls(url: str | None, scan: bool) -> list[ContainerSummary]:
 def ls_command(scan: bool, url: str | None, json: bool) -> None:
     """List the containers and how many resources of each kind they hold.
 
-    Counts come from each container's registries (no scan of the database). With
-    --scan, containers found only by their keys are listed too, marked
-    "(unregistered)". With --json, a list of {"name", "registered", "queues",
-    "counters", "variables", "accumulators"}.
+    Containers are found by their registration keys (one SCAN of the database);
+    counts come from each container's registries. With --scan, containers found only
+    by their keys are listed too, marked "(unregistered)". A count that cannot be read
+    shows as "?", and what is wrong is noted on stderr. With --json, a list of
+    {"name", "registered", "queues", "counters", "variables", "accumulators"} (plus
+    "problems" for a container that has some).
     """
-    rows = run_async(_ls(url, scan))
+    rows, problems = run_async(_ls(url, scan))
+    _notes(problems)
     if json:
         _echo_json([r.as_dict() for r in rows])
         return
@@ -137,7 +148,7 @@ def ls_command(scan: bool, url: str | None, json: bool) -> None:
     table = [
         [
             r.name + ("" if r.registered else " (unregistered)"),
-            *(str(r.resources.get(k, 0)) for k in KINDS),
+            *("?" if r.resources.get(k) is None else str(r.resources[k]) for k in KINDS),
         ]
         for r in rows
     ]
@@ -178,6 +189,7 @@ def stat_lines(s: ContainerStats) -> list[str]:
         rows.append(("memory", s.memory_note or "unknown"))
     else:
         rows.append(("memory", f"{_size_text(s.memory_bytes)}, estimated by MEMORY USAGE"))
+    rows += [("problem", p) for p in s.problems]
     width = max(len(k) for k, _ in rows)
     return [f"{k.ljust(width)}  {v}" for k, v in rows]
 
@@ -199,8 +211,10 @@ def stat_command(name: str, no_memory: bool, url: str | None, json: bool) -> Non
     The names of its queues, counters (with their values), variables and
     accumulators; how many keys it owns, by kind of resource (found by a SCAN of the
     database); and an estimate of their memory by MEMORY USAGE where the server
-    supports it (otherwise the memory line says why it is missing). Exits with 3 if
-    there is no such container.
+    supports it (otherwise the memory line says why it is missing). Corrupt state
+    (a registry of the wrong type, an invalid name in one, a counter that holds no
+    int64) is left out and shown on "problem" lines, each naming its key. Exits with 3
+    if there is no such container.
     """
     s = run_async(_stat(url, name, not no_memory))
     if json:
@@ -211,6 +225,37 @@ def stat_command(name: str, no_memory: bool, url: str | None, json: bool) -> Non
 
 
 # -- reset -----------------------------------------------------------------------------------
+
+
+def _confirm(listed: str, what: str, details: Sequence[str]) -> None:
+    """Ask before resetting ``listed`` (exit 2 when stdin is no terminal; 1 on no)."""
+    if not _interactive():
+        raise CliError(
+            f"resetting {listed} deletes all of its state for good and stdin is "
+            "not a terminal to confirm it: pass --yes to reset",
+            EXIT_USAGE,
+        )
+    for line in details:
+        click.echo(line, err=True)
+    question = (
+        f"Reset {listed}, deleting every queue, counter, variable and accumulator "
+        f"in {what}? This cannot be undone"
+    )
+    if not click.confirm(question, default=False, err=True):
+        raise CliError(f"not confirmed; {listed} left as it was", EXIT_FAILURE)
+
+
+async def _reset_all(url: str | None, yes: bool) -> list[ResetResult]:
+    async with connected(url) as client:
+        found = await registry.listing(client, discover=True)
+        _notes(found.problems)
+        if not found.names and not found.invalid:
+            return []
+        if not yes:
+            n = len(found.names)
+            listed = f"all {n} container{'' if n == 1 else 's'}"
+            _confirm(listed, "them", [f"container '{c}'" for c in found.names])
+        return await reset(client, None)
 
 
 async def _reset(
@@ -232,30 +277,24 @@ async def _reset(
                 EXIT_NOT_FOUND,
             )
         if found and not yes:
-            listed = ", ".join(f"'{s.name}'" for s in found)
-            if not _interactive():
-                raise CliError(
-                    f"resetting {listed} deletes all of its state for good and stdin is "
-                    "not a terminal to confirm it: pass --yes to reset",
-                    EXIT_USAGE,
-                )
-            for s in found:
-                click.echo(
-                    f"container '{s.name}': {_counts_text(s.resource_counts)}; {s.keys} key(s)",
-                    err=True,
-                )
-            question = (
-                f"Reset {listed}, deleting every queue, counter, variable and accumulator "
-                "in it? This cannot be undone"
-            )
-            if not click.confirm(question, default=False, err=True):
-                raise CliError(f"not confirmed; {listed} left as it was", EXIT_FAILURE)
+            details = [
+                f"container '{s.name}': {_counts_text(s.resource_counts)}; {s.keys} key(s)"
+                for s in found
+            ]
+            _confirm(", ".join(f"'{s.name}'" for s in found), "it", details)
         results = await reset(client, [s.name for s in found])
         return results, missing
 
 
 @container.command(name="reset")
-@click.argument("names", metavar="NAME...", nargs=-1, required=True, callback=_check_names)
+@click.argument("names", metavar="[NAME]...", nargs=-1, callback=_check_names)
+@click.option(
+    "--all",
+    "all_",
+    is_flag=True,
+    default=False,
+    help="Reset every container on the server (instead of NAME...).",
+)
 @yes_option
 @click.option(
     "--missing-ok",
@@ -266,7 +305,7 @@ async def _reset(
 @url_option()
 @json_option
 def reset_command(
-    names: list[str], yes: bool, missing_ok: bool, url: str | None, json: bool
+    names: list[str], all_: bool, yes: bool, missing_ok: bool, url: str | None, json: bool
 ) -> None:
     """Delete every key of the containers NAME... (TF: tf.Session.reset).
 
@@ -277,8 +316,22 @@ def reset_command(
     (exit 2 without it). If a NAME does not exist, nothing is reset and it exits with 3,
     unless --missing-ok is given. With --json, a list of {"container", "existed",
     "keys_deleted", "resources", "passes", "clean"}.
+
+    --all resets every container on the server, registered or owning keys (TF:
+    tf.Session.reset with no containers). An entry of the legacy registry
+    qps:containers that is no valid container name is skipped and reported
+    ("skipped" in --json), and dropped from that set.
     """
-    results, missing = run_async(_reset(url, names, yes, missing_ok))
+    if all_ == bool(names):
+        both = "not both" if all_ else "one of them"
+        raise CliError(f"give the containers to reset (NAME...) or --all, {both}", EXIT_USAGE)
+    missing: list[str] = []
+    if all_:
+        results = run_async(_reset_all(url, yes))
+        if not results and not json:
+            click.echo("no containers; nothing to reset")
+    else:
+        results, missing = run_async(_reset(url, names, yes, missing_ok))
     if json:
         out = [r.as_dict() for r in results]
         out += [
@@ -287,6 +340,9 @@ def reset_command(
         _echo_json(out)
         return
     for r in results:
+        if r.skipped is not None:
+            click.echo(f"skipped: {r.skipped}")
+            continue
         counts = {k: len(v) for k, v in r.resources.items()}
         text = (
             f"reset container '{r.container}': deleted {r.keys_deleted} key(s) "

@@ -178,7 +178,7 @@ async def configure(
                 f"max_message_bytes must be in [1, {wire.MAX_MESSAGE_BYTES}], got {m}"
             )
         pipe.hsetnx(key, "max_message_bytes", m)
-        pipe.sadd(keys.CONTAINERS, container)
+        pipe.set(keys.registration(container), 1, nx=True)
         if optimizer is not None:  # wake the shards waiting for one (wait_for_optimizer)
             pipe.rpush(keys.ps_config_wake(container), 1)
             pipe.ltrim(keys.ps_config_wake(container), -1, -1)

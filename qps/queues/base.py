@@ -229,7 +229,7 @@ class QueueBase:
             self._spec.check_same(stored_spec(reply[1], self._keys[0]), self._name)
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
-            pipe.sadd(keys.CONTAINERS, self._container)
+            pipe.set(keys.registration(self._container), 1, nx=True)
             pipe.sadd(keys.container_queues(self._container), self._name)
             await pipe.execute()
         if not self._shared:
