@@ -74,7 +74,7 @@ def test_key_patterns_and_parsing() -> None:
 
 @pytest.mark.parametrize("bad", ["a\n", "job\n", "", "a b", "a{b", "x" * 129])
 def test_names_with_a_final_newline_are_refused(bad: str) -> None:
-    """"$" matched before a final newline: "a\n" passed and split the CLI's output."""
+    """ "$" matched before a final newline: "a\n" passed and split the CLI's output."""
     with pytest.raises(InvalidArgumentError, match="invalid container name"):
         keys.check_container(bad)
     with pytest.raises(InvalidArgumentError, match="invalid resource name"):
@@ -193,6 +193,28 @@ async def test_reset_wakes_blocked_dequeue_with_not_found(make_client: Any) -> N
     assert await list_containers(c2) == []
     # keys the dying call might have left behind would show here
     assert of_container(await dump_all(c2), "blocked") == {}
+
+
+async def test_a_server_of_the_old_layout_keeps_listing_its_containers(client: qps.Client) -> None:
+    """Earlier versions registered containers in the shared set ``qps:containers`` only:
+    such a container (no registration key) is still listed and counts as registered,
+    next to the new ones; a reset takes it out of the set; nothing writes the set."""
+    await populate(client, "old")
+    await client.commands.unlink(keys.registration("old"))  # as an earlier version left it
+    await client.commands.sadd(keys.CONTAINERS, "old")
+    await populate(client, "new")
+    assert await client.commands.smembers(keys.CONTAINERS) == {b"old"}  # not written
+    assert await list_containers(client) == ["new", "old"]
+    rows = await containers.container_summaries(client)
+    assert [(r.name, r.registered, r.resources["queues"]) for r in rows] == [
+        ("new", True, 5),
+        ("old", True, 5),
+    ]
+    assert (await container_stats(client, "old", memory=False)).registered
+    [r] = await reset(client, ["old"])
+    assert r.existed and r.keys_deleted == len(of_container(await dump_all(client), "new")) - 1
+    assert await client.commands.exists(keys.CONTAINERS) == 0
+    assert await list_containers(client) == ["new"]
 
 
 # -- persistence -----------------------------------------------------------------------------
@@ -444,7 +466,11 @@ def test_cli_reset_needs_yes_without_tty(redis_url: str, cname: str) -> None:
     assert "--yes" in r.stderr and "not a terminal" in r.stderr
     assert key_dump(redis_url, cname) == before
     r = CliRunner().invoke(cli, ["container", "reset", "--url", redis_url, "--yes"])
-    assert r.exit_code == 2  # NAME is required
+    assert r.exit_code == 2 and "or --all" in r.stderr  # NAME (or --all) is required
+    r = CliRunner().invoke(cli, ["container", "reset", cname, "--all", "--url", redis_url])
+    assert r.exit_code == 2 and "not both" in r.stderr
+    r = CliRunner().invoke(cli, ["container", "reset", "--all", "--url", redis_url])
+    assert r.exit_code == 2 and "not a terminal" in r.stderr and "all " in r.stderr
     r = CliRunner().invoke(cli, ["container", "reset", "a/b", "--url", redis_url, "--yes"])
     assert r.exit_code == 2 and "invalid container name" in r.stderr
 
