@@ -29,6 +29,7 @@ from qps.queues.state import (
     check_meta,
     corrupt,
     count,
+    failed_read,
     size_of_replies,
     size_reads,
 )
@@ -92,7 +93,7 @@ async def queue_stats(
         replies = await pipe.execute(raise_on_error=False)
     for part, r in zip(("meta", "ew", "dw", "dlq"), replies):
         if isinstance(r, BaseException):
-            raise corrupt(prefix + part, f"cannot be read ({r})")
+            failed_read(prefix + part, r)
     meta, ew, dw, dlq = replies
     if not meta:
         raise NotFoundError(f"no queue '{name}' in container '{container}'")
@@ -117,7 +118,7 @@ async def queue_stats(
     held = 0
     for i, h in zip(ids, got[len(reads) :]):
         if isinstance(h, BaseException):
-            raise corrupt(f"{prefix}a:{i}:h", f"cannot be read ({h})")
+            failed_read(f"{prefix}a:{i}:h", h)
         held += elements(h)
     return QueueStats(
         name=name,
@@ -237,7 +238,7 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
         pipe.hgetall(prefix + "meta")
         (meta,) = await pipe.execute(raise_on_error=False)
     if isinstance(meta, BaseException):
-        raise corrupt(prefix + "meta", f"cannot be read ({meta})")
+        failed_read(prefix + "meta", meta)
     if not meta:
         raise NotFoundError(f"no queue '{name}' in container '{container}'")
     kind = check_meta(meta, prefix + "meta").kind.encode()
@@ -278,7 +279,7 @@ async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -
         pipe.smembers(key)
         (names,) = await pipe.execute(raise_on_error=False)
     if isinstance(names, BaseException):
-        raise corrupt(key, f"cannot be read as a set of queue names ({names})")
+        failed_read(key, names, "cannot be read as a set of queue names")
     return sorted(
         n.decode(errors="backslashreplace") if isinstance(n, bytes) else str(n) for n in names
     )

@@ -44,6 +44,16 @@ def corrupt(key: str | bytes, why: str) -> DataLossError:
     return DataLossError(f"corrupt queue state: {shown}: {why}")
 
 
+def failed_read(key: str | bytes, reply: BaseException, why: str = "cannot be read") -> NoReturn:
+    """Raise for an error reply to a read of ``key``: a key of the wrong type is corrupt
+    state (:func:`corrupt`); any other error (an ACL refusal, ...) is not the key's
+    fault and raises as its own qps error."""
+    if "WRONGTYPE" not in str(reply):
+        with map_errors():
+            raise reply
+    raise corrupt(key, f"{why} ({reply})")
+
+
 def stored_spec(raw: Any, key: str) -> QueueSpec:
     """The :class:`QueueSpec` stored in the ``spec`` field of meta hash ``key``.
 
@@ -127,7 +137,7 @@ def size_of_replies(replies: Sequence[Any], kind: str, prefix: str) -> int:
     what = {"shuffle": ("meta", "items"), "priority": ("items",)}.get(kind, ("items", "meta"))
     for r, name in zip(replies, what):
         if isinstance(r, BaseException):
-            raise corrupt(prefix + name, f"cannot be read ({r})")
+            failed_read(prefix + name, r)
     if kind == "shuffle":
         n = count(replies[0], prefix + "meta", "n")
         if len(replies) > 1 and int(replies[1]) != n:
