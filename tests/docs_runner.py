@@ -121,11 +121,13 @@ def parse(path: Path) -> list[Block]:
 
 #: a number's sign is its own only where no word or number comes right before it
 #: (``[-0.5``, `` -3``; not ``train-2026``)
-_NUMBER = r"(?:(?<![\w.])[-+])?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?"
-#: a hex id (a generation, a nonce) of 8 or more digits counts as a number
-_HEX = r"(?<!\w)(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}(?!\w)"
+#: (thousands separated by commas: "1,499"; a comma after a number is its own: "id 12345,")
+_NUMBER = r"(?:(?<![\w.])[-+])?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?"
+#: a hex id (a generation, a nonce) of 8 or more digits counts as a number, whatever
+#: digits it happens to hold (all decimal: a number; all letters a-f: still an id)
+_HEX = r"(?<!\w)[0-9a-f]{8,}(?!\w)"
 _TOKEN = re.compile(rf"\.\.\.|{_HEX}|{_NUMBER}|\w+|[^\w\s]")
-_NUM = re.compile(rf"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|{_HEX}")
+_NUM = re.compile(rf"[-+]?\d+(?:,\d{{3}})*(?:\.\d+)?(?:[eE][-+]?\d+)?|{_HEX}")
 _SEP = "\x1f"
 
 

@@ -85,6 +85,12 @@ def test_output_matching_lets_numbers_differ_and_nothing_else() -> None:
     )
     assert output_mismatch("train-...: 2 shards", "train-2026-3ab6: 2 shards") is None
     assert output_mismatch("job 3ab6", "job 3ab7") is not None  # too short for an id
+    # a random id may come out all decimal digits, or all letters a-f
+    demo = "queue:    demo/demo-4d31ed67, FIFOQueue capacity 256"
+    for made in ("12345678", "abcdefab", "0e123456"):
+        assert output_mismatch(demo, demo.replace("4d31ed67", made)) is None, made
+    assert output_mismatch(demo, demo.replace("4d31ed67,", "4d31ed67")) is not None
+    assert output_mismatch("moved 1,499 of 2,000", "moved 13,837 of 2,000,000") is None
     assert output_mismatch("a\n...\nz 3", "a\nb c d\ne\nz 4") is None
     assert output_mismatch("a\n...\nz", "a b c") is not None
     # an array wraps where its numbers' widths say
