@@ -11,16 +11,22 @@ whoever cancelled it and awaits it waits forever. The helpers here wait with
 shielded call runs on in a task nobody awaits, and should it fail (Redis gone, say),
 asyncio reports ``Task exception was never retrieved`` with a traceback as the process
 exits. :func:`shielded` retrieves that outcome.
+
+``asyncio.to_thread`` runs on the loop's default executor, which ``asyncio.run`` joins
+as it ends: a process stopped by a signal while a thread loads a dataset waits for the
+load. :func:`in_daemon_thread` runs the call on a daemon thread nobody joins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["shielded", "wait_event"]
+__all__ = ["in_daemon_thread", "shielded", "wait_event"]
 
 T = TypeVar("T")
 
@@ -55,3 +61,34 @@ async def shielded(aw: Awaitable[T]) -> T:
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("a shielded call failed: %r", fut.exception())
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+    """Start ``fn(*args, **kwargs)`` on a daemon thread of its own and return a future
+    of its result (or its exception). Cancelling the future, or the loop's end, does not
+    wait for the thread (unlike ``asyncio.to_thread``): a stopping process exits at once
+    and the thread dies with it. For reads with no side effects only (a dataset's load).
+    Called from a running loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+
+    def run() -> None:
+        try:
+            value, exc = fn(*args, **kwargs), None
+        except Exception as e:
+            value, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, value, exc)
+
+    name = f"qps-{getattr(fn, '__name__', 'call')}"
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut

@@ -450,6 +450,41 @@ def test_feed_blocked_on_a_full_queue(
     assert "qps feed: stopped:" in f.output
 
 
+@pytest.mark.parametrize("sig", SIGNALS, ids=_signame)
+def test_feed_loading_its_data(
+    server: EmbeddedServer,
+    container: str,
+    roles: Callable[..., Role],
+    sig: int,
+    tmp_path: Path,
+) -> None:
+    """Still reading its data (a load of scikit-learn's digits takes seconds on a busy
+    machine): a named pipe that never delivers holds the read for as long as needed. The
+    load ran on the loop's executor, which the exit joined: a forced exit (143) 1.5 s
+    after the signal, never a clean one."""
+    fifo = tmp_path / "x.npy"
+    os.mkfifo(fifo)
+    f = roles("feed", "--data", str(fifo), "--url", server.url, "--container", container)
+    writer = -1
+
+    def reading() -> bool:  # a writer can open the pipe once the feeder has it open
+        nonlocal writer
+        assert f.proc.poll() is None, f"exited:\n{f.output[-3000:]}"
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return False
+        return True
+
+    until(reading, "the feeder opens its data")
+    try:
+        took = f.stop(sig)
+    finally:
+        os.close(writer)
+    assert_stopped(f, sig, took)
+    assert "exiting now" not in f.output, f.output[-3000:]
+
+
 # -- qps train ---------------------------------------------------------------------------------
 
 

@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import secrets
 import shlex
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from typing import Any, TypeVar
 
 import qps
 from qps import wire
+from qps.aio import in_daemon_thread
 from qps.errors import QpsError, UnavailableError
 from qps.optimizers import make_optimizer
 from qps.ps import control
@@ -344,28 +344,7 @@ def _preload_test_split(cfg: TrainConfig) -> asyncio.Future[Any] | None:
     data is not built in."""
     if cfg.data not in BUILTIN:
         return None
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
-
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(exc)
-
-    def read() -> None:
-        try:
-            value, exc = builtin_split(cfg.data, build_model(cfg.model))[1], None
-        except Exception as e:
-            value, exc = None, e
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-            loop.call_soon_threadsafe(settle, value, exc)
-
-    threading.Thread(target=read, name="qps-train-test-split", daemon=True).start()
-    return fut
+    return in_daemon_thread(lambda: builtin_split(cfg.data, build_model(cfg.model))[1])
 
 
 def _metrics_url(addr: str, port: int) -> str:

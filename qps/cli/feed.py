@@ -7,11 +7,11 @@ when done and on SIGTERM or Ctrl-C (after stopping cleanly; see :mod:`qps.stoppi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import click
 
+from qps.aio import in_daemon_thread
 from qps.cli import (
     EXIT_USAGE,
     CliError,
@@ -43,7 +43,8 @@ async def _run(
 ) -> FeedResult:
     # load before connecting: a bad file is a usage error, whatever the server
     async with stopper.interruptible("loading the data"):
-        data = await asyncio.to_thread(
+        # a daemon thread: a stop while scikit-learn loads does not wait for the load
+        data = await in_daemon_thread(
             load_dataset, data_paths, dataset, x_key=x_key, y_key=y_key, split=split
         )
     coord = Coordinator()
