@@ -177,6 +177,10 @@ class BlockFailed(AssertionError):
     pass
 
 
+#: a command that keeps printing may run this many times its limit
+HARD_LIMITS = 4
+
+
 @dataclass
 class _Reader:
     stream: object
@@ -218,13 +222,19 @@ class Shell:
         )
         self.proc.stdin.flush()
         out: list[str] = []
-        deadline = time.monotonic() + timeout
+        # a command that prints as it goes (a training job's progress) may take longer
+        # on a busy machine: the limit counts from its last line, up to HARD_LIMITS times
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             try:
                 line = self.reader.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise BlockFailed(
-                    f"still running after {timeout:.0f} s: {command}\noutput so far:\n{''.join(out)}"
+                    f"still running after {time.monotonic() - start:.0f} s (the limit: "
+                    f"{timeout:.0f} s without output, {HARD_LIMITS * timeout:.0f} s in all): "
+                    f"{command}\n"
+                    f"output so far:\n{''.join(out)}"
                 ) from None
             if line is None:
                 raise BlockFailed(f"the shell exited running: {command}\n{''.join(out)}")
@@ -232,6 +242,7 @@ class Shell:
                 text = "".join(out)
                 return int(line.split()[1]), text[:-1] if text.endswith("\n") else text
             out.append(line)
+            deadline = min(time.monotonic() + timeout, start + HARD_LIMITS * timeout)
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -54,7 +54,7 @@ def test_every_block_is_classified(page: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # a page runs whole jobs; each command has its own limit
+@pytest.mark.timeout(1800)  # a page runs whole jobs; each command has its own limit
 @pytest.mark.parametrize("page", CHECKED, ids=_id)
 def test_page(page: Path) -> None:
     blocks = parse(page)
