@@ -41,17 +41,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 from redis.exceptions import NoScriptError
 
-from qps import buffers, initializers, keys, varspec
+from qps import buffers, initializers, keys, varcheck, varspec
 from qps.errors import (
     AbortedError,
     DataLossError,
@@ -78,6 +78,7 @@ from qps.varspec import (
     row_runs,
     split_runs,
 )
+from qps.varstats import VariableStats, list_variables, variable_stats
 
 __all__ = [
     "AlreadyAppliedError",
@@ -164,13 +165,6 @@ def _text(x: bytes | str | None) -> str:
     if x is None:
         return ""
     return x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
-
-
-def _int(raw: Any) -> int:
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise DataLossError(f"expected an integer in a variable's meta, got {raw!r}") from None
 
 
 def _applied_ids(applied: str | Sequence[str] | None) -> tuple[str, list[str]]:
@@ -265,12 +259,7 @@ async def read_many(variables: Sequence[Variable]) -> list[VariableValue]:
             replies = None
         if replies is not None:
             for k, reply in zip(small, replies):
-                v = variables[k]
-                if _text(reply[0]) != "ok":
-                    raise v._gone()
-                if reply[3] is None:
-                    raise DataLossError(f"{v._where()}: its data key is missing")
-                out[k] = VariableValue(v._array(reply[3]), _int(reply[1]))
+                out[k] = await variables[k]._script_value(reply)
     rest = [k for k, got in enumerate(out) if got is None]
     for k, got in zip(rest, await asyncio.gather(*(variables[k].read() for k in rest))):
         out[k] = got
@@ -290,15 +279,20 @@ async def _read_current(variables: Sequence[Variable]) -> list[VariableValue | N
     ``MULTI``/``EXEC``: one instant for all, and no bytes through Lua (a read script
     copies the value into a Lua string and back, about 1 us per KB on the server). None
     for a variable whose copy is missing or not at its version (written by an older
-    qps): read it with the script.
+    qps), or whose meta lacks ``ver`` (deleted, or corrupt): read it with the script,
+    which tells them apart. All None on an error reply (a key of the wrong type: the
+    script's read names it).
 
     Raises:
-        NotFoundError: a variable was deleted (its container reset).
         UnavailableError: the server cannot be reached.
     """
     client = variables[0]._client
     assert client is not None
-    return _current_values(variables, await client.run_transaction(_current_commands(variables)))
+    try:
+        replies = await client.run_transaction(_current_commands(variables))
+    except InternalError:
+        return [None] * len(variables)
+    return _current_values(variables, replies)
 
 
 def _current_commands(variables: Sequence[Variable]) -> list[tuple[Any, ...]]:
@@ -317,10 +311,8 @@ def _current_values(
     out: list[VariableValue | None] = []
     for k, v in enumerate(variables):
         (ver, curver), data = replies[2 * k], replies[2 * k + 1]
-        if ver is None:
-            raise v._gone()
-        ok = data is not None and curver == ver and len(data) == v.nbytes
-        out.append(VariableValue(v._array(data), _int(ver)) if ok else None)
+        ok = ver is not None and data is not None and curver == ver and len(data) == v.nbytes
+        out.append(VariableValue(v._array(data), v._count(ver)) if ok else None)
     return out
 
 
@@ -343,11 +335,7 @@ class ReadPlan:
         ]
 
     def values(self, replies: Sequence[Any]) -> list[VariableValue] | None:
-        """The values from the replies to :attr:`commands` (all of them, in order).
-
-        Raises:
-            NotFoundError: a variable was deleted (its container reset).
-        """
+        """The values from the replies to :attr:`commands` (all of them, in order)."""
         done = replies[-1] if len(replies) == len(self.commands) else None
         if not isinstance(done, list) or len(done) != 2 * len(self.variables):
             return None
@@ -372,6 +360,24 @@ def read_plan(variables: Sequence[Variable]) -> ReadPlan | None:
 
 
 # -- the variable ----------------------------------------------------------------------------
+
+_M = TypeVar("_M", bound=Callable[..., Awaitable[Any]])
+
+
+def _typed(method: _M) -> _M:
+    """``method`` of :class:`Variable`, with a ``WRONGTYPE`` reply raised as
+    DataLossError naming the key of the variable that holds another type."""
+
+    @functools.wraps(method)
+    async def checked(self: Variable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(self, *args, **kwargs)
+        except InternalError as exc:
+            if "WRONGTYPE" not in str(exc) or self._client is None:
+                raise
+            raise await varcheck.wrong_type(self._client, [self._prefix], exc) from exc
+
+    return cast(_M, checked)
 
 
 class Variable:
@@ -503,6 +509,15 @@ class Variable:
     def _where(self) -> str:
         return f"variable '{self._container}/{self._name}'"
 
+    def _count(self, raw: Any, field: str = "ver") -> int:
+        return varcheck.count(raw, self._meta, field)
+
+    async def _missing(self, field: str) -> QpsError:
+        """What a read that found meta field ``field`` missing raises: NotFoundError if
+        the variable is gone, DataLossError if its meta lacks the field."""
+        assert self._client is not None
+        return await varcheck.missing(self._client, self._meta, field, self._gone())
+
     def _gone(self) -> NotFoundError:
         return NotFoundError(
             f"variable '{self._name}' does not exist in container '{self._container}'"
@@ -535,19 +550,17 @@ class Variable:
         await self._c()
         return self
 
+    @_typed
     async def _open(self, client: Client) -> None:
-        with map_errors():
-            raw, segb = await client.commands.hmget(self._meta, "spec", "segb")
-        if raw is None:
+        stored = await varcheck.read_opened(client, self._meta)
+        if stored is None:
             if self._must_exist:
                 raise self._gone()
-            raw = await self._create(client)
-        if raw is not None:
-            existing = VariableSpec.from_json(raw)
-            self._spec.check_same(existing, self._name)
-            self._spec = existing
-            if segb is not None:
-                self._layout = Layout.of(existing, _int(segb))
+            if await self._create(client):  # another creator was first: open theirs
+                return await self._open(client)
+        else:
+            self._spec.check_same(stored[0], self._name)
+            self._spec, self._layout = stored
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             pipe.set(keys.registration(self._container), 1, nx=True)
@@ -555,9 +568,9 @@ class Variable:
             await pipe.execute()
         self._opened = True
 
-    async def _create(self, client: Client) -> bytes | None:
-        """Write the initial value and commit it: None if this call created the
-        variable, the stored spec if another creator got there first."""
+    async def _create(self, client: Client) -> bool:
+        """Write the initial value and commit it: False if this call created the
+        variable, True if another creator got there first."""
         spec, lay = self._spec, self._layout
         view = None
         if not self._init.zero_bytes:  # zeros: the server allocates them
@@ -577,14 +590,12 @@ class Variable:
                 args=[spec.to_json(), gen, lay.nbytes, lay.nseg, lay.seg_bytes],
             )
         status = _text(reply[0])
-        if status == "exists":
-            return bytes(reply[1])
-        if status != "ok":
+        if status != "ok" and status != "exists":
             raise InternalError(
                 f"{self._where()}: its initial value vanished before it was committed "
                 "(evicted or deleted by hand?)"
             )
-        return None
+        return status == "exists"
 
     async def _write(
         self,
@@ -688,6 +699,8 @@ class Variable:
                 f"{self._where()}: {what} refused, the variable's optimizer slots are "
                 f"[{_text(reply[1])}]; nothing changed"
             )
+        if status == "corrupt":  # the script names the key (and field)
+            raise DataLossError(f"corrupt state: {self._where()}: {_text(reply[1])}")
         if status == "changed":
             raise FailedPreconditionError(
                 f"{self._where()} was created again with another shape "
@@ -704,6 +717,7 @@ class Variable:
             )
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
+    @_typed
     async def publish(
         self,
         value: Any,
@@ -827,6 +841,7 @@ class Variable:
 
         return commands, check
 
+    @_typed
     async def publish_rows(
         self,
         indices: Any,
@@ -912,6 +927,7 @@ class Variable:
 
         await self._unless_held(client, attempt)
 
+    @_typed
     async def fence(self, token: int) -> int:
         """Raise the variable's fencing token to ``token`` without writing (a new owner
         does this first, so that the previous one cannot write any more); return the
@@ -927,13 +943,14 @@ class Variable:
         with map_errors():
             reply = await _scripts_of(client).fence(keys=[self._meta], args=[token])
         self._check_write(reply, "fence", 0, token)
-        return _int(reply[1])
+        return self._count(reply[1])
 
     def _check_slot_name(self, name: Any) -> str:
         if not isinstance(name, str) or not _SLOT_RE.fullmatch(name):
             raise InvalidArgumentError(f"invalid slot name {name!r}: use [A-Za-z0-9_]{{1,64}}")
         return name
 
+    @_typed
     async def init_slots(self, slots: Mapping[str, Any], token: int) -> None:
         """Store optimizer ``slots`` (name -> array of the variable's shape) as the
         variable's slots, replacing any stored ones, without changing its value or
@@ -960,6 +977,7 @@ class Variable:
 
         await self._unless_held(client, attempt)
 
+    @_typed
     async def read_state(self) -> VariableState:
         """The value, its version, the stored optimizer slots and ``t``, as one snapshot
         (the owning PS shard loads them when it starts; others may call it too).
@@ -974,8 +992,10 @@ class Variable:
             with map_errors():
                 ptr = await client.commands.hmget(self._meta, *fields)
                 if ptr[0] is None:
-                    raise self._gone()
+                    raise await self._missing("gen")
                 names = [n for n in _text(ptr[3]).split(",") if n]
+                if names and not ptr[2]:
+                    raise varcheck.field_error(self._meta, "sgen", ptr[2], "a generation id")
                 pipe = client.commands.pipeline(transaction=True)
                 self._queue_chunks(pipe, ptr[0])
                 for n in names:
@@ -986,16 +1006,18 @@ class Variable:
             if replies[-1] != ptr:
                 continue
             per = len(self._layout.chunks())
-            bufs = [self._assemble(replies[k * per : (k + 1) * per]) for k in range(len(names) + 1)]
-            if any(b is None for b in bufs):
-                raise DataLossError(f"{self._where()}: a segment of its value or slots is missing")
-            arrays = [self._array(b) for b in bufs if b is not None]
-            return VariableState(
-                arrays[0], _int(ptr[1]), dict(zip(names, arrays[1:])), _int(ptr[4] or 0)
-            )
+            where = [functools.partial(self._seg, ptr[0])]
+            where += [functools.partial(self._slot_seg, ptr[2] or "", n) for n in names]
+            arrays = [
+                self._array(self._assembled(replies[k * per : (k + 1) * per], key))
+                for k, key in enumerate(where)
+            ]
+            value, slots = arrays[0], dict(zip(names, arrays[1:]))
+            return VariableState(value, self._count(ptr[1]), slots, self._count(ptr[4] or 0, "t"))
         raise AbortedError(f"{self._where()}: no consistent read of its state")
 
     # -- reads -------------------------------------------------------------------------
+    @_typed
     async def version(self) -> int:
         """The published version (0 for the initial value).
 
@@ -1006,17 +1028,19 @@ class Variable:
         with map_errors():
             raw = await client.commands.hget(self._meta, "ver")
         if raw is None:
-            raise self._gone()
-        return _int(raw)
+            raise await self._missing("ver")
+        return self._count(raw)
 
-    def _array(self, data: bytes | bytearray) -> npt.NDArray[Any]:
+    def _array(self, data: bytes | bytearray, key: str = "its value") -> npt.NDArray[Any]:
         if len(data) != self.nbytes:
             raise DataLossError(
-                f"{self._where()} holds {len(data)} bytes, its spec says {self.nbytes}"
+                f"corrupt state: {self._where()}: {key} holds {len(data)} bytes, its "
+                f"layout says {self.nbytes}"
             )
         buf = data if isinstance(data, bytearray) else bytearray(data)
         return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
 
+    @_typed
     async def read(self) -> VariableValue:
         """The whole value and its version: exactly the variable at that version, in a
         new writable array.
@@ -1033,17 +1057,21 @@ class Variable:
                 if got is not None:
                     return got
             with map_errors():
-                reply = await _scripts_of(client).read(keys=[self._meta])
-            if _text(reply[0]) != "ok":
-                raise self._gone()
-            if reply[3] is None:
-                raise DataLossError(f"{self._where()}: its data key is missing")
-            return VariableValue(self._array(reply[3]), _int(reply[1]))
+                return await self._script_value(await _scripts_of(client).read(keys=[self._meta]))
         for _ in range(READ_ATTEMPTS):
             got = await self._read_at(client, *await self._pointer(client))
             if got is not None:
                 return got
         return await self._read_atomic(client)
+
+    async def _script_value(self, reply: Any) -> VariableValue:
+        """The value of a reply of the read script."""
+        if _text(reply[0]) != "ok":
+            raise await self._missing("gen")
+        key = self._seg(reply[2], 0)
+        if reply[3] is None:
+            raise varcheck.short(self._where(), key)
+        return VariableValue(self._array(reply[3], key), self._count(reply[1]))
 
     @property
     def small(self) -> bool:
@@ -1063,6 +1091,16 @@ class Variable:
             at += len(part)
         return buf
 
+    def _assembled(self, parts: Sequence[bytes], key: Callable[[int], str]) -> bytearray:
+        """:meth:`_assemble` of chunks read atomically from a current generation, whose
+        segment ``i`` is ``key(i)``: a short one is corrupt."""
+        buf = self._assemble(parts)
+        if buf is None:
+            chunks = zip(self._layout.chunks(), parts, strict=True)
+            seg = next(i for (i, lo, hi), part in chunks if len(part) != hi - lo + 1)
+            raise varcheck.short(self._where(), key(seg))
+        return buf
+
     _POINTER = ("gen", "ver", "prev", "pver")
 
     def _queue_chunks(self, pipe: Any, gen: bytes | str) -> None:
@@ -1074,7 +1112,7 @@ class Variable:
         with map_errors():
             gen, ver = await client.commands.hmget(self._meta, "gen", "ver")
         if gen is None:
-            raise self._gone()
+            raise await self._missing("gen")
         return gen, ver
 
     async def _read_at(self, client: Client, gen: Any, ver: Any) -> VariableValue | None:
@@ -1091,10 +1129,10 @@ class Variable:
             replies = await pipe.execute()
         now = replies[-1]
         if now[0] is None:
-            raise self._gone()
+            raise await self._missing("gen")
         intact = _unchanged(now, gen, ver)
         buf = self._assemble(replies[:-1]) if intact else None
-        return None if buf is None else VariableValue(self._array(buf), _int(ver))
+        return None if buf is None else VariableValue(self._array(buf), self._count(ver))
 
     async def _read_lean(
         self, client: Client, gen: Any, ver: Any
@@ -1116,11 +1154,12 @@ class Variable:
         with map_errors():
             now = await client.commands.hmget(self._meta, *self._POINTER)
         if now[0] is None:
-            raise self._gone()
+            raise await self._missing("gen")
         intact = _unchanged(now, gen, ver)
         if not intact or any(n is None or n < 0 for n in lengths):
             return True, None
-        return True, VariableValue(np.frombuffer(buf, self.dtype).reshape(self.shape), _int(ver))
+        value = np.frombuffer(buf, self.dtype).reshape(self.shape)
+        return True, VariableValue(value, self._count(ver))
 
     async def _read_atomic(self, client: Client) -> VariableValue:
         """The fallback: learn the generation, then read it inside MULTI/EXEC."""
@@ -1128,28 +1167,31 @@ class Variable:
             with map_errors():
                 gen = await client.commands.hget(self._meta, "gen")
                 if gen is None:
-                    raise self._gone()
+                    raise await self._missing("gen")
                 pipe = client.commands.pipeline(transaction=True)
                 pipe.hmget(self._meta, *self._POINTER)
                 self._queue_chunks(pipe, gen)
                 replies = await pipe.execute()
             now = replies[0]
-            if now[0] is None:
-                raise self._gone()
-            if now[0] == gen:
+            buf: bytearray | None
+            if now[0] == gen:  # current, read atomically: a short chunk is corrupt
                 ver = now[1]
-            elif now[2] == gen:
-                ver = now[3]  # flipped once since: kept, untouched, at pver
+                buf = self._assembled(replies[1:], functools.partial(self._seg, gen))
+            elif now[2] == gen:  # flipped once since: kept, untouched, at pver (or expired)
+                ver = now[3]
+                buf = self._assemble(replies[1:])
+            elif now[0] is None:
+                raise await self._missing("gen")
             else:
                 continue
-            buf = self._assemble(replies[1:])
             if buf is not None:
-                return VariableValue(self._array(buf), _int(ver))
+                return VariableValue(self._array(buf), self._count(ver))
         raise AbortedError(
             f"{self._where()}: no consistent read in {FALLBACK_ATTEMPTS} attempts; its "
             "writer publishes faster than a read completes"
         )
 
+    @_typed
     async def read_rows(self, indices: Any) -> VariableValue:
         """Rows ``indices`` (ints of any shape; repeats and any order allowed) and the
         version they were read at: ``value[k] == variable[indices[k]]`` exactly at that
@@ -1191,151 +1233,30 @@ class Variable:
                         await pipeline_script(client, pipe, script, [self._meta], a)
                     replies = await pipe.execute()
             if any(_text(r[0]) != "ok" for r in replies):
-                raise self._gone()
+                raise await self._missing("gen")
             if len({(r[1], r[2]) for r in replies}) == 1:
                 break
         data = b"".join(part for r in replies for part in r[3:])
-        if len(data) != int(runs.counts.sum()) * rb:
-            raise DataLossError(f"{self._where()}: short read of its rows")
+        if len(data) != int(runs.counts.sum()) * rb:  # a run short in its atomic read
+            raise self._short_run(args, replies)
         table = np.frombuffer(data, dtype=self.dtype).reshape((-1, *row_shape))
         out = table[runs.pos[inverse.reshape(-1)]].reshape(idx.shape + row_shape)
-        return VariableValue(out, _int(replies[0][1]))
+        return VariableValue(out, self._count(replies[0][1]))
+
+    def _short_run(self, args: list[list[Any]], replies: list[Any]) -> DataLossError:
+        """The error naming the segment of the first run of ``read_rows`` that came
+        back short (``args``: each script's runs, ``replies``: its replies)."""
+        for (ranges,), r in zip(args, replies):
+            for run, part in zip(ranges.split(","), r[3:]):
+                seg, lo, hi = (int(x) for x in run.split())
+                if len(part) != hi - lo + 1:
+                    return varcheck.short(self._where(), self._seg(r[2], seg))
+        raise AssertionError("no short run")
 
     async def stats(self) -> VariableStats:
         """:func:`variable_stats` of this variable."""
         client = await self._c()
         return await variable_stats(client, self._name, self._container)
-
-
-# -- inspection ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VariableStats:
-    """What is stored for one variable, read without changing it.
-
-    Attributes:
-        name, container: where it is.
-        spec: the stored :class:`~qps.varspec.VariableSpec`.
-        version: the published version; ``token``: the highest fencing token accepted.
-        generation: the id of the current generation; ``previous``: the previous one
-            while it is still kept ("" if none), at ``previous_version``.
-        segments: data keys per generation.
-        publishes, row_publishes: committed publish / publish_rows calls.
-        created_ms, updated_ms: server times (ms) of the creation and the last write.
-        memory_bytes: ``MEMORY USAGE`` of meta and the kept generations' keys, or None
-            where the server lacks it (fakeredis) or it was not asked for.
-    """
-
-    name: str
-    container: str
-    spec: VariableSpec
-    version: int
-    token: int
-    generation: str
-    previous: str
-    previous_version: int | None
-    segments: int
-    publishes: int
-    row_publishes: int
-    created_ms: int
-    updated_ms: int
-    memory_bytes: int | None
-
-    def as_dict(self) -> dict[str, Any]:
-        s = self.spec
-        return {
-            "name": self.name,
-            "container": self.container,
-            "dtype": dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "nbytes": s.nbytes,
-            "trainable": s.trainable,
-            "initializer": s.initializer,
-            "partition": None if s.partition is None else s.partition.as_dict(),
-            "save_slice_info": (
-                None if s.partition is None else s.partition.save_slice_info(s.shape)
-            ),
-            "version": self.version,
-            "token": self.token,
-            "generation": self.generation,
-            "previous": self.previous or None,
-            "previous_version": self.previous_version,
-            "segments": self.segments,
-            "publishes": self.publishes,
-            "row_publishes": self.row_publishes,
-            "created_ms": self.created_ms,
-            "updated_ms": self.updated_ms,
-            "memory_bytes": self.memory_bytes,
-        }
-
-
-async def list_variables(client: Client, container: str = keys.DEFAULT_CONTAINER) -> list[str]:
-    """Names of the variables registered in ``container``, sorted.
-
-    Raises:
-        InvalidArgumentError: an invalid container name.
-    """
-    keys.check_container(container)
-    with map_errors():
-        names = await client.commands.smembers(keys.container_variables(container))
-    return sorted(_text(n) for n in names)
-
-
-async def variable_stats(
-    client: Client, name: str, container: str = keys.DEFAULT_CONTAINER, *, memory: bool = True
-) -> VariableStats:
-    """Read what is stored for variable ``name`` (see :class:`VariableStats`).
-
-    Raises:
-        InvalidArgumentError: an invalid name or container.
-        NotFoundError: no such variable.
-        DataLossError: its meta hash is not one qps wrote.
-    """
-    keys.check_name(name)
-    keys.check_container(container)
-    prefix = keys.variable_prefix(container, name)
-    with map_errors():
-        raw = await client.commands.hgetall(prefix + "meta")
-    m = {_text(k): _text(v) for k, v in raw.items()}
-    if "spec" not in m:
-        raise NotFoundError(f"no variable '{name}' in container '{container}'")
-    spec = VariableSpec.from_json(m["spec"])
-    try:
-        nseg = int(m["nseg"])
-        with map_errors():
-            prev_alive = bool(m.get("prev")) and bool(
-                nseg == 0 or await client.commands.exists(f"{prefix}d:{m['prev']}:0")
-            )
-        mem: int | None = None
-        if memory:
-            gens = [m["gen"]] + ([m["prev"]] if prev_alive else [])
-            names = [prefix + "meta"] + [f"{prefix}d:{g}:{i}" for g in gens for i in range(nseg)]
-            with map_errors():
-                pipe = client.commands.pipeline(transaction=False)
-                for k in names:
-                    pipe.memory_usage(k)
-                replies = await pipe.execute(raise_on_error=False)
-            if not any(isinstance(r, Exception) for r in replies):
-                mem = sum(int(r or 0) for r in replies)
-        return VariableStats(
-            name=name,
-            container=container,
-            spec=spec,
-            version=int(m["ver"]),
-            token=int(m["token"]),
-            generation=m["gen"],
-            previous=m["prev"] if prev_alive else "",
-            previous_version=int(m["pver"]) if prev_alive else None,
-            segments=nseg,
-            publishes=int(m.get("publishes", 0)),
-            row_publishes=int(m.get("row_publishes", 0)),
-            created_ms=int(m.get("ctime", 0)),
-            updated_ms=int(m.get("mtime", 0)),
-            memory_bytes=mem,
-        )
-    except (KeyError, ValueError) as exc:
-        raise DataLossError(f"variable '{container}/{name}' has a bad meta hash: {exc}") from exc
 
 
 async def open_variable(
@@ -1347,14 +1268,14 @@ async def open_variable(
     Raises:
         InvalidArgumentError: an invalid name or container.
         NotFoundError: no such variable.
+        DataLossError: its meta hash is corrupt (the message names the key and field).
     """
     keys.check_name(name)
     keys.check_container(container)
-    with map_errors():
-        raw = await client.commands.hget(keys.variable_meta(container, name), "spec")
-    if raw is None:
+    stored = await varcheck.read_opened(client, keys.variable_meta(container, name))
+    if stored is None:
         raise NotFoundError(f"no variable '{name}' in container '{container}'")
-    spec = VariableSpec.from_json(raw)
+    spec = stored[0]
     v = Variable(
         name,
         spec.shape,

@@ -31,14 +31,13 @@ local function has_length(k, n)
   if n > 0 then return redis.call('STRLEN', k) == n end
   return redis.call('EXISTS', k) == 1
 end
--- whether every segment of generation gen is there with its full length
-local function complete(gen, nseg, segb, nbytes)
+-- the first segment of generation gen that is not there with its full length, or nil
+local function incomplete(gen, nseg, segb, nbytes)
   for i = 0, nseg - 1 do
-    if not has_length(seg_key(gen, i), math.min(segb, nbytes - i * segb)) then
-      return false
-    end
+    local k = seg_key(gen, i)
+    if not has_length(k, math.min(segb, nbytes - i * segb)) then return k end
   end
-  return true
+  return nil
 end
 local function split(csv)
   local out = {}
@@ -54,15 +53,34 @@ local function each_slot_seg(gen, names, nseg, cmd, arg)
     end
   end
 end
-local function slots_complete(gen, names, nseg, segb, nbytes)
+local function slots_incomplete(gen, names, nseg, segb, nbytes)
   for _, s in ipairs(names) do
     for i = 0, nseg - 1 do
-      if not has_length(slot_key(gen, s, i), math.min(segb, nbytes - i * segb)) then
-        return false
-      end
+      local k = slot_key(gen, s, i)
+      if not has_length(k, math.min(segb, nbytes - i * segb)) then return k end
     end
   end
-  return true
+  return nil
+end
+-- the refusal of a write whose meta field f holds v (false: missing) instead of what
+-- ``want`` says (qps.varcheck checks the same where Python reads the meta)
+local function corrupt(f, v, want)
+  local held = v and ('holds ' .. string.format('%q', v)) or 'is missing'
+  return {'corrupt', KEYS[1] .. " field '" .. f .. "' " .. held .. ', not ' .. want}
+end
+local function is_count(v)
+  return v and #v <= 16 and string.match(v, '^%d+$') ~= nil and tonumber(v) < 9007199254740992
+end
+-- nil, or the refusal naming the first field {index in m, name} that is not an integer
+-- in [0, 2**53) (a missing one passes when ``optional``)
+local function bad_count(m, fields, optional)
+  for _, f in ipairs(fields) do
+    local v = m[f[1]]
+    if not (is_count(v) or (optional and not v)) then
+      return corrupt(f[2], v, 'an integer in [0, 2**53)')
+    end
+  end
+  return nil
 end
 -- the message ids of a commit: ARGV[first] and ARGV[more..] (a group commit names
 -- several); '' names none
@@ -126,16 +144,21 @@ end
 local function held(h)
   if h == nil then h = redis.call('HGET', KEYS[1], 'hold') end
   if not h then return nil end
+  if not is_count(h) then return corrupt('hold', h, 'a time in ms') end
   local left = tonumber(h) - tonumber(now_ms())
   if left <= 0 then return nil end
   return {'held', string.format('%.0f', left)}
 end
 -- nil (and the meta fields) if a write with this token and version may proceed; the
--- fields named after ``version`` are read too (m[8] on)
+-- fields named after ``version`` are read too (m[8] on). A meta without a field it
+-- needs, or with one that is not a count, is refused as corrupt
 local function check(token, version, ...)
   local m = redis.call('HMGET', KEYS[1], 'token', 'ver', 'gen', 'prev', 'nbytes', 'nseg',
     'segb', ...)
-  if not m[1] then return {'gone'}, m end
+  if not m[1] and redis.call('EXISTS', KEYS[1]) == 0 then return {'gone'}, m end
+  local bad = bad_count(m, {{1, 'token'}, {2, 'ver'}, {5, 'nbytes'}, {6, 'nseg'}, {7, 'segb'}})
+  if not bad and not (m[3] and m[3] ~= '') then bad = corrupt('gen', m[3], 'a generation id') end
+  if bad then return bad, m end
   if tonumber(token) < tonumber(m[1]) then return {'stale', m[1]}, m end
   if version and tonumber(version) <= tonumber(m[2]) then return {'version', m[2]}, m end
   return nil, m
@@ -149,7 +172,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   each_seg(gen, nseg, 'DEL')
   return {'exists', redis.call('HGET', KEYS[1], 'spec')}
 end
-if not complete(gen, nseg, tonumber(ARGV[5]), tonumber(ARGV[3])) then
+if incomplete(gen, nseg, tonumber(ARGV[5]), tonumber(ARGV[3])) then
   each_seg(gen, nseg, 'DEL')
   return {'missing'}
 end
@@ -174,12 +197,12 @@ local ids = commit_ids(8, 11)
 -- the commit's other fields read with the check: m[8] hold, m[9] slots, m[10] sgen,
 -- m[11] publishes
 local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen', 'publishes')
-if not err then err = held(m[8]) end
+if not err then err = held(m[8]) or bad_count(m, {{11, 'publishes'}}, true) end
 if not err then err = check_commit(ARGV[7], ids, m[9] or '') end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and (m[5] ~= ARGV[6] or m[6] ~= ARGV[4]) then err = {'changed', m[5]} end
-if not err and not (complete(gen, nseg, tonumber(m[7]), tonumber(m[5])) and
-    slots_complete(gen, names, nseg, tonumber(m[7]), tonumber(m[5]))) then
+if not err and (incomplete(gen, nseg, tonumber(m[7]), tonumber(m[5])) or
+    slots_incomplete(gen, names, nseg, tonumber(m[7]), tonumber(m[5]))) then
   err = {'missing', m[5]}
 end
 if err then
@@ -216,8 +239,9 @@ return {'ok'}
 _PUBLISH_ROWS = """
 local names = split(ARGV[6])
 local ids = commit_ids(7, 10)
-local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen')  -- m[8], m[9], m[10]
-if not err then err = held(m[8]) end
+-- m[8] hold, m[9] slots, m[10] sgen, m[11] row_publishes
+local err, m = check(ARGV[1], nil, 'hold', 'slots', 'sgen', 'row_publishes')
+if not err then err = held(m[8]) or bad_count(m, {{11, 'row_publishes'}}, true) end
 if not err then err = check_commit(ARGV[6], ids, m[9] or '') end
 if not err and tonumber(ARGV[2]) <= tonumber(m[2]) then err = {'version', m[2]} end
 if not err and m[5] ~= ARGV[4] then err = {'changed', m[5]} end
@@ -230,10 +254,10 @@ redis.call('DEL', KEYS[2])
 if not buf or #buf ~= tonumber(ARGV[3]) then return {'missing', ARGV[3]} end
 local nseg, segb, nbytes = tonumber(m[6]), tonumber(m[7]), tonumber(m[5])
 local sgen = m[10] or ''
-if not complete(m[3], nseg, segb, nbytes) or
-   (#names > 0 and (sgen == '' or not slots_complete(sgen, names, nseg, segb, nbytes))) then
-  return {'corrupt', m[3]}
-end
+if #names > 0 and sgen == '' then return corrupt('sgen', m[10], 'a generation id') end
+local bad = incomplete(m[3], nseg, segb, nbytes) or
+  (#names > 0 and slots_incomplete(sgen, names, nseg, segb, nbytes))
+if bad then return {'corrupt', bad .. ' is missing or not of the length its layout says'} end
 local block = #buf / (#names + 1)
 -- the runs, parsed once for the value and every slot
 local segs, los, lens, nruns = {}, {}, {}, 0
@@ -275,7 +299,7 @@ local names = split(ARGV[3])
 local err, m = check(ARGV[1], nil)
 if not err then err = held() end
 if not err and (m[5] ~= ARGV[4] or m[6] ~= ARGV[5]) then err = {'changed', m[5]} end
-if not err and not slots_complete(gen, names, nseg, tonumber(m[7]), tonumber(m[5])) then
+if not err and slots_incomplete(gen, names, nseg, tonumber(m[7]), tonumber(m[5])) then
   err = {'missing', m[5]}
 end
 if err then

@@ -96,7 +96,8 @@ class PartitionInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PartitionInfo:
-        return cls(
+        """Raises: ValueError, KeyError, TypeError: not a partition's place."""
+        p = cls(
             full_name=str(d["full_name"]),
             full_shape=tuple(int(x) for x in d["full_shape"]),
             axis=int(d["axis"]),
@@ -104,6 +105,10 @@ class PartitionInfo:
             count=int(d["count"]),
             offset=tuple(int(x) for x in d["offset"]),
         )
+        rank = len(p.full_shape)
+        if not (0 <= p.axis < rank and 0 <= p.index < p.count and len(p.offset) == rank):
+            raise ValueError(f"partition {d!r} is not a place in a partitioned variable")
+        return p
 
 
 @dataclass(frozen=True)
@@ -156,14 +161,20 @@ class VariableSpec:
             d = json.loads(text)
             if d.get("format") != SPEC_FORMAT:
                 raise DataLossError(f"variable spec format {d.get('format')!r} is not known")
-            part = d.get("partition")
-            return cls(
+            part, init = d.get("partition"), d.get("initializer")
+            trainable = d.get("trainable", True)
+            if not isinstance(init, (dict, type(None))) or not isinstance(trainable, bool):
+                raise TypeError("'initializer' must be an object or null, 'trainable' a bool")
+            spec = cls(
                 dtype=wire.dtype_from_code(d["dtype"]),
-                shape=tuple(int(x) for x in d["shape"]),
-                trainable=bool(d.get("trainable", True)),
-                initializer=d.get("initializer"),
+                shape=check_shape(d["shape"]),
+                trainable=trainable,
+                initializer=init,
                 partition=None if part is None else PartitionInfo.from_dict(part),
             )
+            if spec.nbytes > MAX_BYTES:
+                raise ValueError(f"{spec.nbytes} bytes, over the {MAX_BYTES}-byte limit")
+            return spec
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise DataLossError(f"bad variable spec {text!r}: {exc}") from exc
 
