@@ -3,7 +3,7 @@
 * ``qps ps --shard I --num-shards N [--optimizer NAME --lr X -p NAME=VALUE ...]`` runs
   shard ``I`` (:class:`qps.ps.Shard`) until the job is finished (exit 0), ``SIGTERM`` or
   Ctrl-C (exit 0 after the group of messages in hand; see :mod:`qps.stopping`), or its
-  lease is lost (exit 1).
+  lease is lost or the job's stored state is corrupt (exit 1, the error naming the key).
 * ``qps ps status``: each shard's state, lease, counters and staleness per worker.
 * ``qps ps dlq ls|show|drop``: the dead letters (messages a shard refused).
 * ``qps ps finish``: mark the job finished (the shards drain their queues and exit).
@@ -34,6 +34,7 @@ from qps.cli import (
     url_option,
 )
 from qps.cli.role import run_role
+from qps.cli.var import report_broken
 from qps.optimizers import make_optimizer
 from qps.ps import control
 from qps.ps.messages import SparseGradient, decode_message
@@ -191,7 +192,9 @@ def ps(
     --max-group-mib, --commit-interval-ms). It exits 0 when the job is finished
     (`qps ps finish`) and its queue is drained, and on SIGTERM or Ctrl-C after the
     group in hand (128 + the signal if that takes over 1 s: Redis hung); 1 if its
-    lease was lost. The first shard records N, the
+    lease was lost, or if it found the job's stored state corrupt (its config,
+    placement or lease, or a key of a variable it owns: the error names the key). The
+    first shard records N, the
     optimizer and --max-message-mib in the container; later ones must agree.
     --metrics-port serves its Prometheus metrics (docs/metrics.md).
 
@@ -275,9 +278,14 @@ def status_command(url: str | None, container: str, json: bool) -> None:
     shard took and has not acknowledged yet, read ahead and in the group it applies (in
     Redis until the ack; as of its last group or lease renewal).
 
+    A shard whose stats, lease or dead letters are corrupt is listed as broken, with
+    what is wrong, naming the key, on a line under the table ("problem" with --json);
+    the other shards are listed as usual, and the command exits with 1.
+
     With --json: {"container", "global_step", "finished", "shards": [...]}.
     """
     statuses, gs, finished = run_async(_status(url, container))
+    broken = [(f"shard {s.shard}", s.problem) for s in statuses if s.problem]
     if json:
         _echo_json(
             {
@@ -287,6 +295,7 @@ def status_command(url: str | None, container: str, json: bool) -> None:
                 "shards": [s.as_dict() for s in statuses],
             }
         )
+        report_broken(broken, json)
         return
     state = "finished" if finished else "running"
     click.echo(f"container {container}: global step {gs}, job {state}")
@@ -327,6 +336,7 @@ def status_command(url: str | None, container: str, json: bool) -> None:
             click.echo(
                 f"  {name}: {p['messages']} message(s), p50 {_p(p['p50'])}, p99 {_p(p['p99'])}"
             )
+    report_broken(broken, json)
 
 
 # -- finish ----------------------------------------------------------------------------------

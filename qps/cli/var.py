@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 import numpy as np
 
 from qps import packing
 from qps.cli import (
+    EXIT_FAILURE,
     EXIT_USAGE,
     CliError,
     connected,
@@ -31,7 +32,7 @@ from qps.cli import (
 from qps.cli import (
     table as _table,
 )
-from qps.errors import NotFoundError
+from qps.errors import DataLossError, NotFoundError
 from qps.placement import PartitionedVariable, list_partitioned, open_partitioned_variable
 from qps.variables import VariableStats, list_variables, open_variable, variable_stats
 from qps.varspec import dtype_name, format_shape
@@ -73,16 +74,36 @@ def var() -> None:
 # -- ls ------------------------------------------------------------------------------------
 
 
+class Broken(NamedTuple):
+    """A variable whose stored state is corrupt: ``problem`` names the key."""
+
+    name: str
+    problem: str
+
+
+def report_broken(broken: list[tuple[str, str]], json: bool) -> None:
+    """The end of a listing that met corrupt state: a ``NAME: BROKEN: why`` line under
+    the table for each (``qps queue ls``'s convention; with --json, what is wrong is in
+    the JSON), then exit status 1."""
+    if broken:
+        if not json:
+            for name, problem in broken:
+                click.echo(f"{name}: BROKEN: {problem}")
+        raise click.exceptions.Exit(EXIT_FAILURE)
+
+
 async def _ls(
     url: str | None, container: str
-) -> tuple[list[VariableStats], packing.PackLayout | None]:
+) -> tuple[list[VariableStats | Broken], packing.PackLayout | None]:
     async with connected(url) as client:
-        out = []
+        out: list[VariableStats | Broken] = []
         for name in await list_variables(client, container):
             try:
                 out.append(await variable_stats(client, name, container, memory=False))
             except NotFoundError:  # deleted between the listing and now
                 continue
+            except DataLossError as exc:  # listed as broken, with the others
+                out.append(Broken(name, str(exc)))
         return out, await packing.read_layout(client, container)
 
 
@@ -98,17 +119,33 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     parameters of a packed model (stored joined in packed/0, packed/1...: `qps worker
     --pack`) are named below the table; `qps var get` reads each. With --json, a list
     of the full statistics of each variable (as `qps var stat --json`).
+
+    A variable whose stored state is corrupt is listed as BROKEN (its dtype column),
+    with what is wrong, naming the key, on a line under the table ({"name",
+    "container", "broken"} with --json); the others are listed as usual, and the
+    command exits with 1.
     """
     stats, layout = run_async(_ls(url, container))
+    broken = [(s.name, s.problem) for s in stats if isinstance(s, Broken)]
     if json:
-        _echo_json([s.as_dict() for s in stats])
+        _echo_json(
+            [
+                {"name": s.name, "container": container, "broken": s.problem}
+                if isinstance(s, Broken)
+                else s.as_dict()
+                for s in stats
+            ]
+        )
+        report_broken(broken, json)
         return
     if not stats:
         click.echo(f"no variables in container '{container}'")
         return
     header = ["NAME", "DTYPE", "SHAPE", "BYTES", "VERSION", "TOKEN", "TRAINABLE", "PART"]
     rows = [
-        [
+        [s.name, "BROKEN", "-", "-", "-", "-", "-", "-"]
+        if isinstance(s, Broken)
+        else [
             s.name,
             dtype_name(s.spec.dtype),
             format_shape(s.spec.shape),
@@ -125,6 +162,7 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     if layout is not None:
         parts = ", ".join(n for n, _ in layout.parts)
         click.echo(f"packed in {parts}: {', '.join(layout.names())} (qps var get NAME)")
+    report_broken(broken, json)
 
 
 # -- stat ----------------------------------------------------------------------------------

@@ -201,7 +201,9 @@ class PSClient:
         await self._config()
         missing = [n for n in names if n not in self._placement]
         if missing:
-            self._placement = await control.read_placement(self.client, self.container)
+            self._placement = await control.read_placement(
+                self.client, self.container, self._num_shards
+            )
             missing = [n for n in names if n not in self._placement]
         if missing:
             self._placement = await control.place_variables(
@@ -429,7 +431,7 @@ class PSClient:
         ran = replies is not None or not blocking
         if replies is None:  # no blocking commands, or no lean connection (fakeredis)
             replies = await self.client.run_commands_replies([*lead, *(() if blocking else then)])
-        for r in replies[: len(lead)]:
+        for r in replies[: len(lead) - 1]:  # the count's failure (corrupt stats) is not the push's
             if isinstance(r, BaseException):
                 raise r
         if credits is not None:

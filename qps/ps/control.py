@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from qps import keys, placement, wire
+from qps import keys, placement, varcheck, wire
 from qps.containers import Counter
 from qps.errors import (
     CancelledError,
@@ -38,12 +38,14 @@ from qps.ps.status import (  # the shards' status, read by the status commands
 )
 from qps.queues import FIFOQueue
 from qps.transport import Client, map_errors
+from qps.varspec import MAX_COUNTER
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "EXACT_STALENESS",
     "GLOBAL_STEP_SHARD",
     "GRADIENT_QUEUE_CAPACITY",
+    "MAX_SHARDS",
     "PSConfig",
     "ShardStatus",
     "configure",
@@ -70,6 +72,8 @@ GRADIENT_QUEUE_CAPACITY = 8
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 #: The shard that advances the global step (TF: the PS that holds ``global_step``).
 GLOBAL_STEP_SHARD = 0
+#: The most shards a job has (a sanity bound: a stored config over it is corrupt).
+MAX_SHARDS = 1 << 16
 
 
 def _text(x: Any) -> str:
@@ -95,34 +99,45 @@ class PSConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
+_CONFIG_FIELDS = ("num_shards", "optimizer", "queue_capacity", "sync", "max_message_bytes", "rr")
+
+
 async def read_config(client: Client, container: str) -> PSConfig | None:
     """The stored PS config of ``container``, or None if no job was configured.
 
     Raises:
-        DataLossError: a config hash qps did not write.
+        DataLossError: a config hash qps did not write: a field missing, not an integer
+            in its range, an optimizer spec that does not parse, or not a hash (the
+            message names the key and field).
     """
-    with map_errors():
-        raw = await client.commands.hmget(
-            keys.ps_config(container),
-            "num_shards",
-            "optimizer",
-            "queue_capacity",
-            "sync",
-            "max_message_bytes",
-        )
-    if raw[0] is None:
+    key = keys.ps_config(container)
+    with varcheck.naming(key):
+        raw = dict(zip(_CONFIG_FIELDS, await client.commands.hmget(key, *_CONFIG_FIELDS)))
+    if all(v is None for v in raw.values()):  # (its fields are set one by one: HSETNX)
         return None
+
+    def number(field: str, lo: int, hi: int, default: int | None = None) -> int:
+        v = varcheck.count(raw[field] if raw[field] is not None else default, key, field)
+        if not lo <= v <= hi:
+            raise varcheck.field_error(key, field, raw[field], f"an integer in [{lo}, {hi}]")
+        return v
+
+    n = number("num_shards", 1, MAX_SHARDS)
+    cap = number("queue_capacity", 1, MAX_COUNTER, GRADIENT_QUEUE_CAPACITY)
+    most = number("max_message_bytes", 1, wire.MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES)
+    number("rr", 0, MAX_COUNTER, 0)  # round robin's count (placement): HINCRBY
+    opt = sync = None
     try:
-        n = int(raw[0])
-        opt = None if raw[1] is None else optimizer_from_spec(json.loads(raw[1]))
-        cap = GRADIENT_QUEUE_CAPACITY if raw[2] is None else int(raw[2])
-        sync = None
-        if raw[3] is not None:
-            r, t = (int(x) for x in _text(raw[3]).split("/"))
-            sync = (r, t)
-        most = DEFAULT_MAX_MESSAGE_BYTES if raw[4] is None else int(raw[4])
-    except (ValueError, InvalidArgumentError) as exc:
-        raise DataLossError(f"bad PS config in container '{container}': {exc}") from exc
+        if raw["optimizer"] is not None:
+            opt = optimizer_from_spec(json.loads(raw["optimizer"]))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise varcheck.field_error(key, "optimizer", raw["optimizer"], f"a spec ({exc})") from exc
+    if raw["sync"] is not None:
+        parts = _text(raw["sync"]).split("/")
+        r, t = (int(x) if x.isdigit() else 0 for x in parts) if len(parts) == 2 else (0, 0)
+        if not 1 <= r <= t:
+            raise varcheck.field_error(key, "sync", raw["sync"], "'<replicas>/<total>'")
+        sync = (r, t)
     return PSConfig(n, opt, cap, sync, most)
 
 
@@ -147,10 +162,12 @@ async def configure(
             [1, wire.MAX_MESSAGE_BYTES], or a config already stored with another number
             of shards, optimizer, queue capacity, mode or maximum message size.
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int):
         raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if not 1 <= num_shards <= MAX_SHARDS:
+        raise InvalidArgumentError(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
     key = keys.ps_config(container)
-    with map_errors():
+    with varcheck.naming(key, keys.ps_config_wake(container)):
         pipe = client.commands.pipeline(transaction=False)
         pipe.hsetnx(key, "num_shards", num_shards)
         if optimizer is not None:
@@ -272,11 +289,34 @@ return out
 """
 
 
-async def read_placement(client: Client, container: str) -> dict[str, int]:
-    """The stored placement map: variable name -> shard."""
-    with map_errors():
-        raw = await client.commands.hgetall(keys.ps_placement(container))
-    return {_text(k): int(v) for k, v in raw.items()}
+async def read_placement(
+    client: Client, container: str, num_shards: int | None = None
+) -> dict[str, int]:
+    """The stored placement map: variable name -> shard (``num_shards``: the job's,
+    read from its config when not given).
+
+    Raises:
+        DataLossError: an entry that does not name a variable, or a shard of the job
+            (the message names the key and entry), or a placement that is not a hash.
+    """
+    if num_shards is None:
+        cfg = await read_config(client, container)
+        num_shards = MAX_SHARDS if cfg is None else cfg.num_shards
+    key = keys.ps_placement(container)
+    with varcheck.naming(key):
+        raw = await client.commands.hgetall(key)
+    out = {}
+    for k, v in raw.items():
+        name = _text(k)
+        try:
+            keys.check_name(name)
+        except InvalidArgumentError:
+            raise DataLossError(f"corrupt state: {key} places {name!r}, not a variable") from None
+        shard = varcheck.count(v, key, name)
+        if shard >= num_shards:
+            raise varcheck.field_error(key, name, v, f"a shard in [0, {num_shards})")
+        out[name] = shard
+    return out
 
 
 async def place_variables(
@@ -308,7 +348,7 @@ async def place_variables(
         names = list(placement.round_robin(variables, 1))
         if names:
             script = client.commands.register_script(_PLACE_RR)
-            with map_errors():
+            with varcheck.naming(keys.ps_placement(container)):
                 await script(
                     keys=[keys.ps_placement(container), keys.ps_config(container)],
                     args=[cfg.num_shards, *names],
@@ -316,7 +356,7 @@ async def place_variables(
     elif strategy == "greedy_by_bytes":
         wanted = placement.greedy_by_bytes(variables, cfg.num_shards)
         if wanted:
-            with map_errors():
+            with varcheck.naming(keys.ps_placement(container)):
                 pipe = client.commands.pipeline(transaction=False)
                 for name, shard in wanted.items():
                     pipe.hsetnx(keys.ps_placement(container), name, shard)
@@ -325,7 +365,7 @@ async def place_variables(
         raise InvalidArgumentError(
             f"unknown placement strategy {strategy!r}: use 'round_robin' or 'greedy_by_bytes'"
         )
-    return await read_placement(client, container)
+    return await read_placement(client, container, cfg.num_shards)
 
 
 # -- queues, the global step, the end of the job ------------------------------------------------

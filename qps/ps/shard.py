@@ -61,7 +61,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from qps import keys, variables
+from qps import keys, varcheck, variables
 from qps import metrics as _metrics
 from qps.aio import shielded
 from qps.containers import Counter
@@ -105,6 +105,7 @@ from qps.ps.messages import (
     is_finite,
     widen,
 )
+from qps.ps.status import check_lease
 from qps.queues.base import Delivery, QueueBase
 from qps.queues.waiters import LEASE_MS as DELIVERY_LEASE_MS
 from qps.transport import BLOCK_SECONDS, Client, is_noscript, map_errors
@@ -337,6 +338,8 @@ class Shard:
         InvalidArgumentError: a config or optimizer that disagrees with the stored job.
         FailedPreconditionError: stored slots of another optimizer (without
             ``reset_slots``).
+        DataLossError: corrupt job state: its config, placement or lease, or a key of
+            a variable it owns (the message names the key; docs/ps.md, "Corrupt state").
 
     A shard given no optimizer, of a job that has none stored yet, waits until one is
     (another shard starts with one, or :func:`qps.ps.configure` records one).
@@ -543,7 +546,7 @@ class Shard:
         while not self._stop.is_set():
             token = await tokens.add(1)
             value = f"{token} {self.options.owner}"
-            with map_errors():
+            with varcheck.naming(self._prefix + "lease"):
                 reply = await self._lease_script(
                     keys=self._lease_keys(), args=["acquire", value, self.options.lease_ms]
                 )
@@ -555,6 +558,7 @@ class Shard:
                 return True
             pttl = int(reply[1])
             held = _text(reply[2] or b"")
+            check_lease(held, self._prefix + "lease", pttl)  # a corrupt one never runs out
             if dead_holder(held):
                 # a crashed copy on this machine (a restart after SIGKILL): do not wait
                 # out its lease. Its token is lower than ours, so its variables are
@@ -637,7 +641,7 @@ class Shard:
     async def _own_placed(self) -> None:
         if self.shard == control.GLOBAL_STEP_SHARD:  # ids it counted and did not release
             await self._suspect_held(keys.counter_applied(self.container, keys.GLOBAL_STEP))
-        placed = await control.read_placement(self.client, self.container)
+        placed = await control.read_placement(self.client, self.container, self.options.num_shards)
         for name in sorted(n for n, s in placed.items() if s == self.shard):
             if name not in self.owned:
                 try:
@@ -673,7 +677,7 @@ class Shard:
         """Take the ids an ``applied`` set holds for messages that may have been
         committed: recorded and not released (by an earlier owner, or by this one before
         a failure), perhaps not acked; they are looked up when they come."""
-        with map_errors():
+        with varcheck.naming(applied_key):
             held = await self.client.commands.zrange(applied_key, 0, -1)
         self._suspect.update(_text(x) for x in held)
 
@@ -681,7 +685,7 @@ class Shard:
         o = self.owned.get(name)
         if o is not None:
             return o
-        placed = await control.read_placement(self.client, self.container)
+        placed = await control.read_placement(self.client, self.container, self.options.num_shards)
         shard = placed.get(name)
         if shard is None:
             raise _Rejected(f"variable '{name}' is not placed on any shard", name)
@@ -1648,7 +1652,9 @@ class Shard:
         update done; the last one gives the tokens)."""
         assert self.sync is not None
         if self._sync_shards is None:  # placed once, at the first push of the job
-            placed = await control.read_placement(self.client, self.container)
+            placed = await control.read_placement(
+                self.client, self.container, self.options.num_shards
+            )
             self._sync_shards = len(set(placed.values()) | {control.GLOBAL_STEP_SHARD})
         if self._tokens is None:
             self._tokens = [
@@ -1780,11 +1786,15 @@ class Shard:
             entry["size"] = size
         entry["data"] = raw
         self.log.warning("dead letter%s: %s", f" {msg.id}" if msg is not None else "", reason)
-        with map_errors():
+        with varcheck.naming(self._prefix + "dlq"):
             pipe = self.client.commands.pipeline(transaction=False)
             pipe.rpush(self._prefix + "dlq", control.encode_dead_letter(entry))
             pipe.hincrby(self._prefix + "stats", "dead_letters", 1)
-            dlq_length, _ = await pipe.execute()
+            dlq_length, counted = await pipe.execute(raise_on_error=False)
+            if isinstance(dlq_length, Exception):
+                raise dlq_length
+        if isinstance(counted, Exception):  # as any stats write (see _stats)
+            self.log.warning("could not write stats: %s", counted)
         self.metrics.dead_letters.set(dlq_length)
 
     def _held_bytes(self) -> int:

@@ -1,7 +1,11 @@
 """The shards' published status, read by ``qps ps status``, ``qps job status`` and
 ``qps top``: each shard's stats hash (its counters and staleness histograms, see
 docs/ps.md, "Staleness and counters"), its lease, its dead letters, and what waits for
-it in its gradient queue and gradient list. Nothing here writes."""
+it in its gradient queue and gradient list. Nothing here writes.
+
+A shard whose stats hash, lease or dead-letter list is not what a shard writes is
+reported ``broken``, with the reason naming the key (:attr:`ShardStatus.problem`), so
+that a listing shows the others as they are."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from qps import keys
-from qps.errors import QpsError
+from qps import keys, varcheck
+from qps.errors import DataLossError, QpsError
 from qps.ps.gradlist import PUSHED, TAKEN, gradient_list_key, list_bytes
 from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.transport import Client, map_errors
@@ -20,6 +24,7 @@ from qps.transport import Client, map_errors
 __all__ = [
     "EXACT_STALENESS",
     "ShardStatus",
+    "check_lease",
     "shard_status",
     "stale_bucket",
     "staleness_percentile",
@@ -62,7 +67,9 @@ class ShardStatus:
 
     Attributes:
         shard: the index.
-        state: ``running``, ``stopped``, ``finished`` or ``never started``.
+        state: ``running``, ``stopped``, ``finished``, ``never started``, ``gone`` (its
+            lease ran out while running) or ``broken`` (its state is corrupt: see
+            ``problem``).
         owner, token: the lease holder (None when no live lease) and its fencing token.
         applied: messages applied; ``skipped``: redeliveries found already applied;
             ``rows``: rows updated; ``bytes``: gradient bytes applied;
@@ -83,6 +90,8 @@ class ShardStatus:
             none); ``list_pushed`` / ``list_taken``: messages ever pushed onto it / taken
             from it by the shard (qps.ps.gradlist: on a single server the workers push
             there, not onto the gradient queue).
+        problem: why the shard is ``broken`` (names the corrupt key), else None; the
+            counters of a broken shard are 0 and its ``fields`` are empty.
     """
 
     shard: int
@@ -105,6 +114,7 @@ class ShardStatus:
     list_size: int | None = None
     list_pushed: int = 0
     list_taken: int = 0
+    problem: str | None = None
 
     def percentiles(self) -> dict[str, dict[str, int | None]]:
         """worker -> {"p50", "p99", "messages"} (and ``"*"`` for all workers)."""
@@ -152,28 +162,71 @@ class ShardStatus:
             "heartbeat_ms": int(self.fields["heartbeat_ms"])
             if "heartbeat_ms" in self.fields
             else None,
+            "problem": self.problem,
         }
 
 
-async def shard_status(client: Client, container: str, shard: int) -> ShardStatus:
-    """Read shard ``shard``'s published status."""
-    prefix = keys.ps_prefix(container, shard)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(prefix + "stats")
-        pipe.get(prefix + "lease")
-        pipe.llen(prefix + "dlq")
-        raw, lease, dlq = await pipe.execute()
+def check_lease(raw: Any, key: str, pttl: int = 0) -> tuple[int, str]:
+    """A shard's lease ``raw`` (``"<token> <owner>"``, the value of ``key``) as its
+    fencing token and owner; ``pttl``: its time to live (ms; -1: none).
+
+    Raises:
+        DataLossError: a value no shard writes, or a lease without a time to live (a
+            shard always sets one: such a lease would never run out).
+    """
+    tok, _, owner = _text(raw).partition(" ")
+    if not (tok.isdigit() and owner):
+        raise DataLossError(f"corrupt state: {key} holds {raw!r}, not a lease '<token> <owner>'")
+    if pttl == -1:
+        raise DataLossError(f"corrupt state: {key} (lease {_text(raw)!r}) has no time to live")
+    return varcheck.count(tok, key, "token"), owner
+
+
+#: the stats fields read as counts (the others are text: state, pid, host, takeover)
+_COUNTS = ("applied", "skipped", "rows", "bytes", "variables", "held_bytes", "dropped_stale")
+
+
+def _stats(raw: Mapping[Any, Any], key: str) -> tuple[dict[str, str], dict[str, dict[int, int]]]:
+    """A stats hash's fields as text and its staleness histograms, checked.
+
+    Raises:
+        DataLossError: a count or a histogram entry that is not an integer.
+    """
     f = {_text(k): _text(v) for k, v in raw.items()}
+    for name in (*_COUNTS, PUSHED, TAKEN, "heartbeat_ms"):
+        if name in f:
+            varcheck.count(f[name], key, name)
     stale: dict[str, dict[int, int]] = {}
     for k, v in f.items():
         if k.startswith("stale|") and k.count("|") >= 2:
             worker, _, b = k[len("stale|") :].rpartition("|")
-            stale.setdefault(worker, {})[int(b)] = int(v)
-    owner = token = None
-    if lease is not None:
-        tok, _, owner = _text(lease).partition(" ")
-        token = int(tok) if tok.isdigit() else None
+            stale.setdefault(worker, {})[varcheck.count(b, key, k)] = varcheck.count(v, key, k)
+    return f, stale
+
+
+async def shard_status(client: Client, container: str, shard: int) -> ShardStatus:
+    """Read shard ``shard``'s published status; a shard whose stats hash, lease or
+    dead-letter list is corrupt is returned ``broken`` (see :class:`ShardStatus`)."""
+    prefix = keys.ps_prefix(container, shard)
+    names = [prefix + "stats", prefix + "lease", prefix + "dlq"]
+    with map_errors():
+        pipe = client.commands.pipeline(transaction=False)
+        pipe.hgetall(names[0])
+        pipe.get(names[1])
+        pipe.llen(names[2])
+        replies = await pipe.execute(raise_on_error=False)
+    try:
+        for key, r in zip(names, replies):
+            if isinstance(r, Exception):  # a key of another type
+                raise DataLossError(f"corrupt state: {key} holds the wrong type of value ({r})")
+        raw, lease, dlq = replies
+        f, stale = _stats(raw, names[0])
+        owner: str | None = None
+        token: int | None = None
+        if lease is not None:
+            token, owner = check_lease(lease, names[1])
+    except DataLossError as exc:
+        return ShardStatus(shard, "broken", None, None, 0, 0, 0, 0, 0, 0, None, problem=str(exc))
     lsize: int | None = None
     if not client.cluster:  # a single server: its gradient list
         with map_errors():
