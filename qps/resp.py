@@ -30,7 +30,7 @@ import collections
 import socket
 import ssl
 import sys
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,6 +41,10 @@ from qps.errors import UnavailableError
 #: Arguments of at least this many bytes given as ``memoryview`` or ``bytearray`` are
 #: written as they are, after their header, instead of being copied into the command.
 LARGE_ARG = 1 << 16
+
+#: A streamed write (:meth:`Connection.stream_many`) hands large buffers to the
+#: transport in slices of this many bytes, and waits for its buffer to drain between them.
+STREAM_SLICE = 1 << 20
 
 #: TCP keepalive like redis-py's defaults: probe after 30 s idle, every 5 s, 3 probes.
 KEEPALIVE_OPTIONS: dict[int, int] = {
@@ -91,6 +95,37 @@ class Endpoint:
 _hiredis_pack = hiredis.pack_command
 
 
+class Pieces:
+    """One command argument of ``nbytes`` bytes given as the buffers ``parts`` yields,
+    in order: a value that is never joined into one buffer (a chunk that spans an
+    element's header and its data, a batch encoded a window at a time).
+
+    :meth:`Connection.stream_many` writes each part as it comes, so ``parts`` may make
+    them on demand; other writers take them all at once (or :meth:`join` them, for
+    redis-py). ``parts`` is iterated once per write: a write that may be made again (a
+    cluster's redirection) needs one that starts over on each ``iter()``, not a
+    generator.
+    """
+
+    __slots__ = ("_parts", "nbytes")
+
+    def __init__(self, nbytes: int, parts: Iterable[Any]) -> None:
+        self.nbytes = nbytes
+        self._parts = parts
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for part in self._parts:
+            view = part if isinstance(part, memoryview) else memoryview(part)
+            yield view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+    def join(self) -> bytes:
+        """The value as one bytes object (a copy)."""
+        data = b"".join(self)
+        if len(data) != self.nbytes:
+            raise ValueError(f"pieces of {len(data)} bytes for a value of {self.nbytes}")
+        return data
+
+
 def _as_bytes(arg: Any) -> bytes | memoryview:
     """One argument as a flat byte buffer (a large buffer is not copied)."""
     cls = arg.__class__
@@ -121,15 +156,28 @@ def _as_bytes(arg: Any) -> bytes | memoryview:
     )
 
 
-def pack_command(args: Sequence[Arg]) -> list[bytes | memoryview]:
+def pack_command(args: Sequence[Arg], pieces: bool = False) -> list[Any]:
     """The RESP encoding of one command, as a list of buffers to write in order.
 
     Small arguments are joined into bytes; a ``memoryview``/``bytearray`` of at least
-    :data:`LARGE_ARG` bytes is its own item, between its header and the next (no copy).
+    :data:`LARGE_ARG` bytes is its own item, between its header and the next (no copy);
+    so is each buffer of a :class:`Pieces`, or (``pieces``) the :class:`Pieces` itself.
     """
-    out: list[bytes | memoryview] = []
+    out: list[Any] = []
     head = [b"*%d\r\n" % len(args)]
     for arg in args:
+        if isinstance(arg, Pieces):
+            head.append(b"$%d\r\n" % arg.nbytes)
+            out.append(b"".join(head))
+            if pieces:
+                out.append(arg)
+            else:
+                size = len(out)
+                out.extend(arg)
+                if sum(p.nbytes for p in out[size:]) != arg.nbytes:
+                    raise TypeError(f"Pieces do not add up to the {arg.nbytes} bytes declared")
+            head = [b"\r\n"]
+            continue
         data = _as_bytes(arg)
         if isinstance(data, memoryview):
             head.append(b"$%d\r\n" % data.nbytes)
@@ -432,6 +480,72 @@ class Connection(asyncio.Protocol):
         if self._paused:
             await self._drain(fut)
         return await fut
+
+    async def stream_many(self, commands: Iterable[Sequence[Any]]) -> list[Any]:
+        """:meth:`call_many` for commands of large values, on a connection nobody else
+        writes to meanwhile: each command is packed once the one before it is written,
+        and a large argument (a ``memoryview`` of :data:`LARGE_ARG` bytes or more, or
+        :class:`Pieces`, made as they are written) goes in slices of
+        :data:`STREAM_SLICE`, waiting for the transport's buffer to drain between them.
+        The connection holds about one slice beyond the caller's buffers, never a copy
+        of the values (asyncio before Python 3.12 copies into its buffer what the socket
+        does not take at once, and then copies that again as it shrinks).
+
+        A write cut in the middle (cancelled, or failed: :class:`Pieces` that do not add
+        up, an argument of a type Redis commands cannot carry) closes the connection:
+        the server drops the command it got part of.
+
+        Raises:
+            UnavailableError: the connection is, or went, down.
+            TypeError: an argument of a type Redis commands cannot carry.
+        """
+        if self._failure is not None:
+            raise self._error()
+        fut: asyncio.Future[list[Any]] = self._new_future()
+        batch = _Batch(fut, 1)  # the 1: the writing, done last
+        try:
+            for command in commands:
+                if self._failure is not None:
+                    raise self._error()
+                parts = pack_command(command, pieces=True)
+                batch.left += 1
+                self._waiting.append(batch)
+                for part in parts:
+                    if isinstance(part, Pieces):
+                        sent = 0
+                        for piece in part:
+                            sent += piece.nbytes
+                            await self._write_slices(piece)
+                        if sent != part.nbytes:
+                            raise TypeError(f"Pieces of {sent} bytes for a value of {part.nbytes}")
+                    elif part.__class__ is bytes:
+                        self._transport.write(part)  # type: ignore[union-attr]
+                    else:
+                        await self._write_slices(part)
+        except BaseException:
+            self.close()  # out of step: a command may be cut short
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # the connection's failure: what is raised is this one
+            raise
+        batch.left -= 1
+        if not batch.left and not fut.done():
+            fut.set_result(batch.replies)
+        return await fut
+
+    async def _write_slices(self, view: memoryview) -> None:
+        """Write ``view`` a slice at a time, waiting while the transport is paused."""
+        for at in range(0, view.nbytes, STREAM_SLICE):
+            if self._failure is not None:
+                raise self._error()
+            self._transport.write(view[at : at + STREAM_SLICE])  # type: ignore[union-attr]
+            while self._paused and self._failure is None:
+                waiter: asyncio.Future[None] = self._new_future()
+                self._drain_waiters.append(waiter)
+                await waiter
+        if self._failure is not None:
+            raise self._error()
 
 
 # -- opening -------------------------------------------------------------------------------

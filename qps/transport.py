@@ -385,12 +385,18 @@ class Client:
         self._keep_bulk(reader)
         return result
 
-    async def write_commands(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+    async def write_commands(
+        self, commands: Sequence[Sequence[Any]], *, stream: bool = False
+    ) -> list[Any] | None:
         """Run ``commands`` (writes of large values: their buffers are sent as they are,
         never joined into one) in one round trip on a lean connection of its own, not
         the one shared by scripts; return their replies, a failed command's error in
         its place (see :meth:`run_commands_replies`). None when this client has no lean
         connections (fakeredis, or closed): write another way then.
+
+        ``stream``: write them a slice at a time (:meth:`qps.resp.Connection.stream_many`:
+        values of any size, :class:`~qps.resp.Pieces` among them, cost the client
+        about one slice of memory beyond the caller's buffers); else in one write.
 
         Python 3.11's asyncio joins the buffers redis-py hands to ``writelines`` into one
         copy: 16 MiB of ``SET``s took 30-35 ms through a redis-py pipeline there, 4-9 ms
@@ -402,7 +408,7 @@ class Client:
         conn = await self._waiter_connection()
         if conn is None:
             return None
-        return [_error_in_place(r) for r in await self._exchange(conn, commands)]
+        return [_error_in_place(r) for r in await self._exchange(conn, commands, stream)]
 
     async def send_each(
         self, commands: Sequence[Sequence[Any]]
@@ -441,14 +447,15 @@ class Client:
         return out
 
     async def _exchange(
-        self, conn: resp.Connection, commands: Sequence[Sequence[Any]]
+        self, conn: resp.Connection, commands: Sequence[Sequence[Any]], stream: bool = False
     ) -> list[Any]:
         """``commands`` on ``conn``, a waiter connection: given back to the free ones
-        after a complete exchange, closed if left in the middle of one (cancelled)."""
+        after a complete exchange, closed if left in the middle of one (cancelled).
+        ``stream``: written by :meth:`~qps.resp.Connection.stream_many`."""
         self._busy.add(conn)
         reusable = False
         try:
-            replies = await _call_many(conn, commands)
+            replies = await _call_many(conn, commands, stream)
             reusable = True
         finally:
             self._done_with(conn, reusable)
@@ -1058,36 +1065,47 @@ def _abandon(fut: asyncio.Future[Any], mapped: asyncio.Future[Any]) -> None:
         fut.cancel()
 
 
-async def _call_many(conn: resp.Connection, commands: Sequence[Sequence[Any]]) -> list[Any]:
-    """``conn.call_many(commands)``; an argument it cannot send (a TypeError, redis-py's
-    DataError) is an :class:`InternalError`, as on redis-py's path."""
+async def _call_many(
+    conn: resp.Connection, commands: Sequence[Sequence[Any]], stream: bool = False
+) -> list[Any]:
+    """``conn.call_many(commands)`` (``stream``: ``conn.stream_many``); an argument it
+    cannot send (a TypeError, redis-py's DataError) is an :class:`InternalError`, as on
+    redis-py's path."""
     try:
+        if stream:
+            return await conn.stream_many(commands)
         return await conn.call_many(commands)
     except TypeError as exc:
         raise InternalError(f"unexpected Redis error: {exc}") from exc
 
 
 async def write_all(client: Client, commands: Sequence[tuple[Any, ...]]) -> None:
-    """Run write ``commands`` of large values in one round trip: on a lean connection
-    (:meth:`~qps.transport.Client.write_commands`: the buffers are never joined), else
-    as a redis-py pipeline.
+    """Run write ``commands`` of large values in one round trip: streamed on a lean
+    connection (:meth:`~qps.transport.Client.write_commands`: the buffers are never
+    joined, nor copied whole), else as a redis-py pipeline (which joins
+    :class:`~qps.resp.Pieces`).
 
     Raises:
         UnavailableError, InternalError: as the commands do.
     """
     if not commands:
         return
-    replies = await client.write_commands(commands)
+    replies = await client.write_commands(commands, stream=True)
     if replies is None:
         with map_errors():
             pipe = client.commands.pipeline(transaction=False)
             for command in commands:
-                pipe.execute_command(*command)
+                pipe.execute_command(*[_joined(a) for a in command])
             await pipe.execute()
         return
     for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
+
+
+def _joined(arg: Any) -> Any:
+    """A command argument as redis-py takes it: :class:`~qps.resp.Pieces` joined."""
+    return arg.join() if isinstance(arg, resp.Pieces) else arg
 
 
 def _error_in_place(reply: Any) -> Any:
@@ -1378,7 +1396,9 @@ class ClusterClient(Client):
         """None: a cluster's callers wait another way (see :meth:`Client.send_each`)."""
         return None
 
-    async def write_commands(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+    async def write_commands(
+        self, commands: Sequence[Sequence[Any]], *, stream: bool = False
+    ) -> list[Any] | None:
         """:meth:`Client.write_commands` on the node of the first command's key (every
         key must be in its slot); None (write through redis-py then, which follows
         redirections) when that node is not known or answered a redirection."""
@@ -1386,7 +1406,7 @@ class ClusterClient(Client):
         if child is None:
             return None
         try:
-            replies = await child.write_commands(commands)
+            replies = await child.write_commands(commands, stream=stream)
         except UnavailableError:
             await self._lost()
             raise

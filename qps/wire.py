@@ -22,7 +22,7 @@ import functools
 import math
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -42,6 +42,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_NDIM",
     "MAX_STRING_ITEMSIZE",
+    "EncodedRows",
     "Message",
     "decode",
     "decode_arrays",
@@ -51,6 +52,7 @@ __all__ = [
     "encode",
     "encode_parts",
     "encode_rows",
+    "encode_rows_lazily",
     "header_bytes",
     "split_chunks",
 ]
@@ -614,6 +616,88 @@ def encode_rows(
             component count, shape or batch size that does not match, or a dtype that
             is not the spec's.
     """
+    return encode_rows_lazily(arrays, dtypes, shapes).messages()
+
+
+class EncodedRows:
+    """The messages of a batch of fixed-shape elements, made a window of rows at a time
+    (:func:`encode_rows_lazily`): what :func:`encode_rows` gives, back to back, without
+    a copy of the whole batch. The arrays are read when a window is made: they must
+    not change meanwhile."""
+
+    __slots__ = ("_lay", "_srcs", "nbytes", "row_bytes", "rows")
+
+    def __init__(self, lay: _RowLayout, srcs: list[npt.NDArray[Any]], rows: int) -> None:
+        self._lay = lay
+        self._srcs = srcs
+        self.rows = rows
+        self.row_bytes = lay.length
+        #: the size of all the messages together
+        self.nbytes = rows * lay.length
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def encode(self, start: int, stop: int) -> memoryview:
+        """The messages of rows ``start`` to ``stop`` (excluded), back to back, in a new
+        buffer."""
+        lay = self._lay
+        count = stop - start
+        out = np.empty((count, lay.length), np.uint8)
+        out[:, : len(lay.header)] = lay.header
+        for p0, p1 in lay.inner_pads:
+            out[:, p0:p1] = 0
+        for j, a in enumerate(self._srcs):
+            nb = lay.nbytes[j]
+            if nb == 0:
+                continue
+            off = lay.offsets[j]
+            dt = lay.dtypes[j]
+            dst = out[:, off : off + nb]
+            src = a[start:stop]
+            if a.dtype == dt and a.flags.c_contiguous:
+                dst[...] = src.reshape(count, -1).view(np.uint8)
+            else:  # non-contiguous or other byte order: let numpy copy and byte-swap
+                view = np.reshape(dst.view(dt), (count, *lay.shapes[j]), copy=False)
+                view[...] = src
+        return out.data.cast("B")
+
+    def messages(self) -> list[memoryview]:
+        """All the messages, as :func:`encode_rows` gives them (one buffer, its rows)."""
+        if not self.rows:
+            return []
+        length = self.row_bytes
+        flat = self.encode(0, self.rows)
+        return [flat[i : i + length] for i in range(0, self.nbytes, length)]
+
+    def windows(self, max_bytes: int) -> Iterable[memoryview]:
+        """The messages in windows of whole rows of at most ``max_bytes`` (at least one
+        row), each made when it is asked for; every ``iter()`` starts over."""
+        step = max(1, max_bytes // max(1, self.row_bytes))
+        return _Windows(self, step)
+
+
+class _Windows:
+    __slots__ = ("_rows", "_step")
+
+    def __init__(self, rows: EncodedRows, step: int) -> None:
+        self._rows = rows
+        self._step = step
+
+    def __iter__(self) -> Iterator[memoryview]:
+        rows, step = self._rows, self._step
+        for start in range(0, rows.rows, step):
+            yield rows.encode(start, min(start + step, rows.rows))
+
+
+def encode_rows_lazily(
+    arrays: Sequence[Any], dtypes: Sequence[npt.DTypeLike], shapes: Sequence[Sequence[int]]
+) -> EncodedRows:
+    """The batch :func:`encode_rows` encodes, checked now and encoded on demand.
+
+    Raises:
+        InvalidArgumentError: as :func:`encode_rows`.
+    """
     lay = _row_layout(dtypes, shapes)
     ncomp = len(lay.codes)
     if len(arrays) != ncomp:
@@ -644,28 +728,7 @@ def encode_rows(
                     f"component {j}: dtype {a.dtype}, the spec says {lay.dtypes[j]}"
                 )
         srcs.append(a)
-    if batch == 0:
-        return []
-    length = lay.length
-    out = np.empty((batch, length), np.uint8)
-    hlen = len(lay.header)
-    out[:, :hlen] = lay.header
-    for p0, p1 in lay.inner_pads:
-        out[:, p0:p1] = 0
-    for j, a in enumerate(srcs):
-        nb = lay.nbytes[j]
-        if nb == 0:
-            continue
-        off = lay.offsets[j]
-        dt = lay.dtypes[j]
-        dst = out[:, off : off + nb]
-        if a.dtype == dt and a.flags.c_contiguous:
-            dst[...] = a.reshape(batch, -1).view(np.uint8)
-        else:  # non-contiguous or other byte order: let numpy copy and byte-swap
-            view = np.reshape(dst.view(dt), (batch, *lay.shapes[j]), copy=False)
-            view[...] = a
-    flat = out.data.cast("B")
-    return [flat[i : i + length] for i in range(0, batch * length, length)]
+    return EncodedRows(lay, srcs, max(batch, 0))
 
 
 def decode_rows(
@@ -692,7 +755,12 @@ def decode_rows(
     length = lay.length
     if set(map(len, blobs)) != {length}:
         return None
-    data = joined if joined is not None and len(joined) == batch * length else b"".join(blobs)
+    if joined is not None and len(joined) == batch * length:
+        data: Any = joined
+    elif length >= _ROWWISE_MIN_BYTES:  # large elements: no joined copy of the batch
+        return _decode_rowwise(lay, blobs)
+    else:
+        data = b"".join(blobs)
     rows = np.frombuffer(data, np.uint8).reshape(batch, length)
     hlen = len(lay.header)
     if not (rows[:, :hlen] == lay.header).all():
@@ -708,6 +776,35 @@ def decode_rows(
             if dt.kind == "b" and arr.view(np.uint8).max() > 1:
                 return None
         result.append(arr)
+    return result
+
+
+#: decode_rows copies elements of at least this many bytes one at a time into the batch
+#: arrays rather than join them first (a copy of the whole batch more).
+_ROWWISE_MIN_BYTES = 64 << 10
+
+
+def _decode_rowwise(
+    lay: _RowLayout, blobs: Sequence[bytes | bytearray | memoryview]
+) -> list[npt.NDArray[Any]] | None:
+    """:func:`decode_rows` of blobs of the right length, one element at a time."""
+    batch = len(blobs)
+    hlen = len(lay.header)
+    result = [np.empty((batch, *s), dt) for dt, s in zip(lay.dtypes, lay.shapes, strict=True)]
+    flats = [a.reshape(batch, -1).view(np.uint8) for a in result]
+    for i, blob in enumerate(blobs):
+        row = np.frombuffer(blob, np.uint8)
+        if not (row[:hlen] == lay.header).all():
+            return None
+        for p0, p1 in lay.inner_pads:
+            if row[p0:p1].any():
+                return None
+        for flat, off, nb in zip(flats, lay.offsets, lay.nbytes, strict=True):
+            if nb:
+                flat[i] = row[off : off + nb]
+    for arr, dt, nb in zip(result, lay.dtypes, lay.nbytes, strict=True):
+        if nb and dt.kind == "b" and arr.view(np.uint8).max() > 1:
+            return None
     return result
 
 

@@ -53,14 +53,13 @@ from qps.queues.decode import check_element, quarantine, quick_codec, split_bad
 from qps.queues.inspect import QueueStats, delete_queue, peek_blobs, queue_stats
 from qps.queues.large import (
     BATCH_ENTRY,
-    BATCH_MIN_BYTES,
     CHUNK_BYTES,
     ONE_CHUNK_MIN_BYTES,
     REF,
     Run,
-    batch_commands,
     batch_runs,
     chunk_of,
+    encode_batch,
     encode_element,
     fetch_large,
     handed_rows,
@@ -71,6 +70,8 @@ from qps.queues.large import (
     read_batch_rows,
     read_commands,
     release_args,
+    rows_buffer,
+    stage_batch,
     store_large,
     taken_chunk,
 )
@@ -315,11 +316,9 @@ class QueueBase:
             arrays.append(arr)
         return arrays, batch
 
-    def _encode_rows(self, arrays: list[np.ndarray], batch: int) -> list[Any]:
-        if self._fixed:
-            assert self._spec.shapes is not None
-            return wire.encode_rows(arrays, self._spec.dtypes, self._spec.shapes)  # type: ignore[arg-type]
-        return [wire.encode([a[i] for a in arrays]) for i in range(batch)]
+    def _encode_rows(self, arrays: list[np.ndarray], batch: int) -> Any:
+        shapes = self._spec.shapes if self._fixed else None
+        return encode_batch(arrays, batch, self._spec.dtypes, shapes)
 
     # -- output -------------------------------------------------------------------
     def _format(self, arrays: list[np.ndarray]) -> Element:
@@ -556,10 +555,12 @@ class QueueBase:
     ) -> None:
         client = await self._c()
         aid = client.new_id()
-        buffer = _rows_buffer(blobs)
+        buffer = rows_buffer(blobs)
         before: list[tuple[Any, ...]] = []
         if buffer is not None:
-            blobs, before = batch_commands(self._prefix, aid, buffer, len(blobs), self._list)
+            blobs, before = await stage_batch(
+                client, self._prefix, aid, buffer, len(blobs), self._list
+            )
         elif (
             len(blobs) == 1
             and not isinstance(blobs[0], list)
@@ -1327,20 +1328,3 @@ class QueueBase:
                 raise corrupt(self._keys[1], f"stored element {i}: {e.error or exc}") from exc
         return out
 
-
-def _rows_buffer(blobs: Sequence[Any]) -> Any:
-    """The one buffer holding ``blobs`` when they are the rows :func:`wire.encode_rows`
-    made of a batch large enough to travel as one value, else None."""
-    if len(blobs) < 2 or not isinstance(blobs[0], memoryview):
-        return None
-    size = blobs[0].nbytes
-    base = blobs[0].obj
-    if (
-        size > CHUNK_BYTES
-        or size * len(blobs) < BATCH_MIN_BYTES
-        or not isinstance(base, np.ndarray)
-        or base.nbytes != size * len(blobs)
-        or not base.flags.c_contiguous
-    ):
-        return None
-    return base

@@ -26,6 +26,7 @@ import numpy as np
 
 from qps import buffers, wire
 from qps.errors import InternalError
+from qps.resp import STREAM_SLICE, Pieces
 from qps.transport import Client, map_errors, write_all
 
 #: Elements larger than this travel out of line, as chunks of this size (measured:
@@ -38,6 +39,12 @@ BATCH_REF = b"QS|"
 BATCH_ENTRY = b"QB|"
 #: enqueue_many batches of fixed-shape rows at least this large travel as one buffer
 BATCH_MIN_BYTES = 64 << 10
+#: What an enqueue writes ahead of its script, on a connection of its own, a slice at a
+#: time (a batch's buffer, or elements out of line) once it comes to this many bytes:
+#: the client then holds no copy of it (docs/queues.md, "Sizes and memory"); smaller
+#: ones go in the script's round trip. A batch this large travels as one buffer even
+#: where the queue's shapes are not all known (its rows are alike all the same).
+STREAM_MIN_BYTES = 4 << 20
 #: One element larger than this (up to CHUNK_BYTES) enqueued on a list queue is stored
 #: out of line in one chunk, written in the enqueue script's round trip: its bytes never
 #: pass through Lua (a Lua string of tens of KB costs about 1.2 µs per KB of server
@@ -96,8 +103,12 @@ def batch_commands(
     C-contiguous) stored as one value, and the commands that store it (to run before the
     enqueue script, in the same round trip). ``entry``: one batch entry for all rows (a
     list queue), else one reference per row."""
-    view = memoryview(buffer).cast("B")
-    size = view.nbytes // rows
+    if isinstance(buffer, wire.EncodedRows):  # encoded a window at a time as it is sent
+        view: Any = Pieces(buffer.nbytes, buffer.windows(STREAM_SLICE))
+        size = buffer.row_bytes
+    else:
+        view = memoryview(buffer).cast("B")
+        size = view.nbytes // rows
     key = batch_key(prefix, aid)
     commands: list[tuple[Any, ...]] = [
         (b"SET", key, view, b"PX", CHUNK_TTL_MS),
@@ -108,6 +119,60 @@ def batch_commands(
     head = f"QS|{aid}|".encode()
     tail = f"|{size}".encode()
     return [b"%s%d%s" % (head, i, tail) for i in range(rows)], commands
+
+
+def rows_buffer(blobs: Sequence[Any]) -> Any:
+    """The one buffer holding ``blobs`` when they are the rows :func:`wire.encode_rows`
+    made of a batch large enough to travel as one value, else None."""
+    if isinstance(blobs, wire.EncodedRows):  # a large batch's, encoded as it is sent
+        return blobs
+    if len(blobs) < 2 or not isinstance(blobs[0], memoryview):
+        return None
+    size = blobs[0].nbytes
+    base = blobs[0].obj
+    if (
+        size > CHUNK_BYTES
+        or size * len(blobs) < BATCH_MIN_BYTES
+        or not isinstance(base, np.ndarray)
+        or base.nbytes != size * len(blobs)
+        or not base.flags.c_contiguous
+    ):
+        return None
+    return base
+
+
+async def stage_batch(
+    client: Client, prefix: str, aid: str, buffer: Any, rows: int, entry: bool = False
+) -> tuple[list[bytes], list[tuple[Any, ...]]]:
+    """:func:`batch_commands`, but a buffer of STREAM_MIN_BYTES or more is written now,
+    streamed (its commands are then done: [])."""
+    values, commands = batch_commands(prefix, aid, buffer, rows, entry)
+    if nbytes(buffer) < STREAM_MIN_BYTES:
+        return values, commands
+    await write_all(client, commands)
+    return values, []
+
+
+def encode_batch(arrays: list[np.ndarray], batch: int, dtypes: Any, shapes: Any | None) -> Any:
+    """The elements of an enqueue_many's batch (``batch`` rows; ``shapes`` None: not
+    all known), as :meth:`QueueBase._enqueue_blobs` takes them: the rows of one
+    buffer (:func:`wire.encode_rows`; made as they are sent for STREAM_MIN_BYTES or
+    more), or one value per element: its bytes, or its parts (no copy) where it will
+    go out of line in chunks (see :func:`store_large`). A sequence, or the
+    :class:`wire.EncodedRows` of a large batch (taken by :func:`rows_buffer`)."""
+    if shapes is not None:
+        rows = wire.encode_rows_lazily(arrays, dtypes, shapes)
+        if rows.row_bytes <= CHUNK_BYTES:
+            return rows if rows.nbytes >= STREAM_MIN_BYTES else rows.messages()
+    else:
+        total = sum(a.nbytes for a in arrays)
+        if total // batch <= CHUNK_BYTES:
+            if total < STREAM_MIN_BYTES:
+                return [wire.encode([a[i] for a in arrays]) for i in range(batch)]
+            # the rows of a dense batch are alike: their own spec
+            spec = [a.dtype for a in arrays], [a.shape[1:] for a in arrays]
+            return wire.encode_rows_lazily(arrays, *spec)
+    return [_parts([a[i] for a in arrays]) for i in range(batch)]
 
 
 def one_chunk(prefix: str, aid: str, blob: Any) -> tuple[bytes, tuple[Any, ...]]:
@@ -307,8 +372,8 @@ def is_large(blob: Any) -> bool:
 
 
 async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any]) -> Sequence[Any]:
-    """Write elements over CHUNK_BYTES as chunk keys; return the blobs with those
-    elements replaced by references (``blobs`` itself when none is large)."""
+    """Write elements over CHUNK_BYTES as chunk keys, streamed; return the blobs with
+    those elements replaced by references (``blobs`` itself when none is large)."""
     if not any(is_large(b) for b in blobs):
         return blobs
     out: list[Any] = []
@@ -388,19 +453,25 @@ async def fetch_large(
 
 
 def nbytes(blob: Any) -> int:
-    return blob.nbytes if isinstance(blob, memoryview) else len(blob)
+    return blob.nbytes if isinstance(blob, (memoryview, Pieces, wire.EncodedRows)) else len(blob)
 
 
 def encode_element(arrays: list[np.ndarray]) -> Any:
     """One element's bytes; a large one as its parts (header, buffers: no copy)."""
     if sum(a.nbytes for a in arrays) <= CHUNK_BYTES:
         return wire.encode(arrays)
+    return _parts(arrays)
+
+
+def _parts(arrays: list[np.ndarray]) -> list[Any]:
+    """One element's message as its parts: header, buffers (no copy where they are
+    already C-contiguous little-endian)."""
     return [p if isinstance(p, bytes) else p.cast("B") for p in wire.encode_parts(arrays)]
 
 
 def chunks_of(parts: list[Any], size: int) -> list[Any]:
-    """Cut the concatenation of ``parts`` into pieces of ``size`` bytes, copying only
-    where a piece spans several parts."""
+    """Cut the concatenation of ``parts`` into pieces of ``size`` bytes, never copying:
+    a piece that spans several parts is :class:`~qps.resp.Pieces` of them."""
     out: list[Any] = []
     pending: list[Any] = []
     pending_len = 0
@@ -412,8 +483,8 @@ def chunks_of(parts: list[Any], size: int) -> list[Any]:
             pending_len += take
             view = view[take:]
             if pending_len == size:
-                out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+                out.append(pending[0] if len(pending) == 1 else Pieces(size, pending))
                 pending, pending_len = [], 0
     if pending:
-        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+        out.append(pending[0] if len(pending) == 1 else Pieces(pending_len, pending))
     return out
