@@ -670,24 +670,30 @@ class EncodedRows:
         flat = self.encode(0, self.rows)
         return [flat[i : i + length] for i in range(0, self.nbytes, length)]
 
-    def windows(self, max_bytes: int) -> Iterable[memoryview]:
-        """The messages in windows of whole rows of at most ``max_bytes`` (at least one
-        row), each made when it is asked for; every ``iter()`` starts over."""
+    def windows(
+        self, max_bytes: int, start: int = 0, count: int | None = None
+    ) -> Iterable[memoryview]:
+        """The messages of ``count`` rows from row ``start`` (all the rest: None) in
+        windows of whole rows of at most ``max_bytes`` (at least one row), each made
+        when it is asked for; every ``iter()`` starts over."""
+        stop = self.rows if count is None else min(self.rows, start + count)
         step = max(1, max_bytes // max(1, self.row_bytes))
-        return _Windows(self, step)
+        return _Windows(self, start, stop, step)
 
 
 class _Windows:
-    __slots__ = ("_rows", "_step")
+    __slots__ = ("_rows", "_start", "_step", "_stop")
 
-    def __init__(self, rows: EncodedRows, step: int) -> None:
+    def __init__(self, rows: EncodedRows, start: int, stop: int, step: int) -> None:
         self._rows = rows
+        self._start = start
+        self._stop = stop
         self._step = step
 
     def __iter__(self) -> Iterator[memoryview]:
-        rows, step = self._rows, self._step
-        for start in range(0, rows.rows, step):
-            yield rows.encode(start, min(start + step, rows.rows))
+        rows, stop, step = self._rows, self._stop, self._step
+        for at in range(self._start, stop, step):
+            yield rows.encode(at, min(at + step, stop))
 
 
 def encode_rows_lazily(

@@ -119,7 +119,7 @@ def test_a_large_enqueue_holds_no_copy_of_its_values(redis_url, case):
     # the batch itself is in the baseline; before the streamed writes an enqueue grew by
     # 1.5x (an element) to 2.5x (a batch) its size
     assert sent["grew"] <= size // 2 + ALLOWANCE, (case, sent["grew"] / size)
-    if case in ("rows-out-of-line", "element"):
+    if case in ("rows-out-of-line", "element", "batch-buffer"):
         # the result itself, and at most one copy of it (before: 3x for the batch)
         assert size * 0.9 <= got["grew"] <= 2 * size + ALLOWANCE, (case, got["grew"] / size)
 
@@ -292,3 +292,57 @@ async def test_stream_many_writes_pieces_and_closes_on_a_short_one(server_url):
         await other.call((b"DEL", "mem:a", "mem:b"))
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("make", [qps.FIFOQueue, qps.RandomShuffleQueue, qps.PriorityQueue])
+async def test_a_batch_over_the_buffer_limit_goes_in_several_buffers(client, monkeypatch, make):
+    """A batch larger than BATCH_BUFFER_MAX_BYTES (Redis takes values of 512 MB at most)
+    is stored as several buffers; consumers take its rows across them, in order (FIFO),
+    and the last read of each buffer deletes it."""
+    rows, row = 96, 16384
+    batch = big_batch(rows, row, 4)
+    monkeypatch.setattr(large, "BATCH_BUFFER_MAX_BYTES", 16 * len(wire.encode([batch[0]])))
+    name = "split"
+    if make is qps.PriorityQueue:
+        q = make(-1, [np.float32], shapes=[[row]], shared_name=name, client=client)
+        await q.enqueue_many([np.zeros(rows, np.int64), batch])
+    else:
+        args = (0,) if make is qps.RandomShuffleQueue else ()
+        q = make(-1, *args, np.float32, shapes=[[row]], shared_name=name, client=client)
+        await q.enqueue_many(batch)
+    prefix = keys.queue_prefix("default", name)
+    buffers = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
+    # six buffers and their counts (seven with a priority queue's wider rows)
+    assert len(buffers) == (14 if make is qps.PriorityQueue else 12)
+    if make is qps.FIFOQueue:
+        stored = await client.commands.lrange(prefix + "items", 0, -1)
+        assert [v.split(b"|")[3] for v in stored] == [b"16"] * 6
+    assert await q.size() == rows
+    got = []
+    for n in (5, 30, 61):
+        out = await q.dequeue_many(n)
+        got.append(out[1] if make is qps.PriorityQueue else out)
+    got = np.concatenate(got)
+    if make is not qps.FIFOQueue:
+        got = got[np.argsort(got[:, 0])]
+        batch = batch[np.argsort(batch[:, 0])]
+    assert np.array_equal(got, batch)
+    left = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
+    ttls = [await client.commands.pttl(k) for k in left]
+    assert all(0 < ttl <= large.CHUNK_TTL_MS for ttl in ttls), ttls
+
+
+async def test_a_split_batch_waits_for_room_a_part_at_a_time(make_client, monkeypatch):
+    producer, consumer = await make_client(), await make_client()
+    rows, row = 96, 16384
+    batch = big_batch(rows, row, 5)
+    monkeypatch.setattr(large, "BATCH_BUFFER_MAX_BYTES", 16 * len(wire.encode([batch[0]])))
+    qp = qps.FIFOQueue(40, np.float32, shapes=[[row]], shared_name="room", client=producer)
+    qc = qps.FIFOQueue(40, np.float32, shapes=[[row]], shared_name="room", client=consumer)
+    with pytest.raises(qps.errors.WouldBlockError):
+        await qp.enqueue_many_nowait(batch)
+    assert await qc.size() == 0
+    put = asyncio.ensure_future(qp.enqueue_many(batch))
+    got = [await qc.dequeue_many(24) for _ in range(4)]
+    await put
+    assert np.array_equal(np.concatenate(got), batch)

@@ -45,6 +45,10 @@ BATCH_MIN_BYTES = 64 << 10
 #: ones go in the script's round trip. A batch this large travels as one buffer even
 #: where the queue's shapes are not all known (its rows are alike all the same).
 STREAM_MIN_BYTES = 4 << 20
+#: A batch's rows go in buffers of at most this many bytes: Redis refuses values over
+#: proto-max-bulk-len (512 MB by default), and a consumer reads a buffer whole (through
+#: hiredis, which holds a copy of it while it builds the reply).
+BATCH_BUFFER_MAX_BYTES = 32 << 20
 #: One element larger than this (up to CHUNK_BYTES) enqueued on a list queue is stored
 #: out of line in one chunk, written in the enqueue script's round trip: its bytes never
 #: pass through Lua (a Lua string of tens of KB costs about 1.2 µs per KB of server
@@ -102,23 +106,38 @@ def batch_commands(
     """The values that stand for the rows of ``buffer`` (``rows`` equal rows,
     C-contiguous) stored as one value, and the commands that store it (to run before the
     enqueue script, in the same round trip). ``entry``: one batch entry for all rows (a
-    list queue), else one reference per row."""
-    if isinstance(buffer, wire.EncodedRows):  # encoded a window at a time as it is sent
-        view: Any = Pieces(buffer.nbytes, buffer.windows(STREAM_SLICE))
+    list queue), else one reference per row.
+
+    :class:`wire.EncodedRows` over BATCH_BUFFER_MAX_BYTES are stored as several values
+    (buffers ``<aid>``, ``<aid>-1``, ...: a value of Redis is 512 MB at most), each with
+    its entry (its references), made a window at a time as they are sent."""
+    if isinstance(buffer, wire.EncodedRows):
         size = buffer.row_bytes
+        per = max(1, BATCH_BUFFER_MAX_BYTES // size)
+        groups: list[tuple[str, int, Any]] = [
+            (
+                f"{aid}-{start // per}" if start else aid,
+                min(per, rows - start),
+                Pieces(min(per, rows - start) * size, buffer.windows(STREAM_SLICE, start, per)),
+            )
+            for start in range(0, rows, per)
+        ]
     else:
         view = memoryview(buffer).cast("B")
         size = view.nbytes // rows
-    key = batch_key(prefix, aid)
-    commands: list[tuple[Any, ...]] = [
-        (b"SET", key, view, b"PX", CHUNK_TTL_MS),
-        (b"SET", key + ":u", rows, b"PX", CHUNK_TTL_MS),
-    ]
-    if entry:
-        return [f"QB|{aid}|0|{rows}|{size}".encode()], commands
-    head = f"QS|{aid}|".encode()
-    tail = f"|{size}".encode()
-    return [b"%s%d%s" % (head, i, tail) for i in range(rows)], commands
+        groups = [(aid, rows, view)]
+    values: list[bytes] = []
+    commands: list[tuple[Any, ...]] = []
+    for bid, count, value in groups:
+        key = batch_key(prefix, bid)
+        commands.append((b"SET", key, value, b"PX", CHUNK_TTL_MS))
+        commands.append((b"SET", key + ":u", count, b"PX", CHUNK_TTL_MS))
+        if entry:
+            values.append(f"QB|{bid}|0|{count}|{size}".encode())
+        else:
+            head, tail = f"QS|{bid}|".encode(), f"|{size}".encode()
+            values.extend([b"%s%d%s" % (head, i, tail) for i in range(count)])
+    return values, commands
 
 
 def rows_buffer(blobs: Sequence[Any]) -> Any:
