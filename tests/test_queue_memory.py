@@ -346,3 +346,16 @@ async def test_a_split_batch_waits_for_room_a_part_at_a_time(make_client, monkey
     got = [await qc.dequeue_many(24) for _ in range(4)]
     await put
     assert np.array_equal(np.concatenate(got), batch)
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_an_element_over_what_a_consumer_decodes_is_refused(client, monkeypatch, many):
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 3 * MIB)  # the consumer keeps 2 GiB
+    q = qps.FIFOQueue(-1, np.float32, shared_name="huge", client=client)
+    big = np.zeros((2, 3 * MIB // 4), np.float32)  # rows of 3 MiB and a header
+    with pytest.raises(qps.errors.InvalidArgumentError, match="bytes a consumer decodes"):
+        await (q.enqueue_many(big) if many else q.enqueue(big[0]))
+    assert await q.size() == 0
+    fits = np.ones((2, 2 * MIB // 4), np.float32)
+    await (q.enqueue_many(fits) if many else q.enqueue(fits[0]))
+    assert np.array_equal(await q.dequeue(), fits[0])

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from qps import buffers, wire
-from qps.errors import InternalError
+from qps.errors import InternalError, InvalidArgumentError
 from qps.resp import STREAM_SLICE, Pieces
 from qps.transport import Client, map_errors, write_all
 
@@ -484,8 +484,20 @@ def encode_element(arrays: list[np.ndarray]) -> Any:
 
 def _parts(arrays: list[np.ndarray]) -> list[Any]:
     """One element's message as its parts: header, buffers (no copy where they are
-    already C-contiguous little-endian)."""
-    return [p if isinstance(p, bytes) else p.cast("B") for p in wire.encode_parts(arrays)]
+    already C-contiguous little-endian).
+
+    Raises:
+        InvalidArgumentError: a message larger than a consumer decodes
+            (:data:`wire.MAX_MESSAGE_BYTES`).
+    """
+    parts = [p if isinstance(p, bytes) else p.cast("B") for p in wire.encode_parts(arrays)]
+    size = sum(map(nbytes, parts))
+    if size > wire.MAX_MESSAGE_BYTES:
+        raise InvalidArgumentError(
+            f"an element of {size} bytes encoded is over the {wire.MAX_MESSAGE_BYTES} "
+            "bytes a consumer decodes"
+        )
+    return parts
 
 
 def chunks_of(parts: list[Any], size: int) -> list[Any]:
