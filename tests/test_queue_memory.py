@@ -191,7 +191,8 @@ async def test_a_streamed_batch_cut_short_inserts_nothing(client, monkeypatch, s
     """enqueue_many stays all or nothing: a batch whose buffer stops half-way (its
     encoding fails, or the call is cancelled) inserts no element, the queue keeps
     working, and nothing it wrote stays for good (a producer's buffer expires)."""
-    if stop == "cancel" and await client.write_commands([(b"PING",)]) is None:
+    probe = [(b"EXISTS", keys.queue_prefix("default", "cut") + "probe")]
+    if stop == "cancel" and await client.write_commands(probe) is None:
         pytest.skip("without lean connections (fakeredis) the batch goes in one write")
     rows, row = 96, 16384
     q = qps.FIFOQueue(-1, np.float32, shapes=[[row]], shared_name="cut", client=client)
@@ -213,7 +214,7 @@ async def test_a_streamed_batch_cut_short_inserts_nothing(client, monkeypatch, s
     if stop == "cancel":
         asyncio.current_task().uncancel()
     monkeypatch.setattr(wire.EncodedRows, "encode", real)
-    assert len(calls) == 3
+    assert len(calls) >= 3  # all of them where the socket took the windows at once
     assert await q.size() == 0
     prefix = keys.queue_prefix("default", "cut")
     left = [k async for k in client.commands.scan_iter(match=prefix + "b:*")]
@@ -359,3 +360,16 @@ async def test_an_element_over_what_a_consumer_decodes_is_refused(client, monkey
     fits = np.ones((2, 2 * MIB // 4), np.float32)
     await (q.enqueue_many(fits) if many else q.enqueue(fits[0]))
     assert np.array_equal(await q.dequeue(), fits[0])
+
+
+async def test_a_large_batch_of_strings_and_bools_round_trips(client):
+    rows = 40000  # 4.6 MiB of strings: over STREAM_MIN_BYTES, in one buffer
+    words = np.array([b"%0120d" % i for i in range(rows)])
+    flags = np.arange(rows) % 3 == 0
+    q = qps.FIFOQueue(
+        -1, [qps.string, np.bool_], shapes=[[], []], shared_name="strings", client=client
+    )
+    assert words.nbytes >= large.STREAM_MIN_BYTES
+    await q.enqueue_many([words, flags])
+    got_words, got_flags = await q.dequeue_many(rows)
+    assert np.array_equal(got_words, words) and np.array_equal(got_flags, flags)
