@@ -515,6 +515,8 @@ class Connection(asyncio.Protocol):
                         sent = 0
                         for piece in part:
                             sent += piece.nbytes
+                            if sent > part.nbytes:  # found before a byte too many is sent
+                                break
                             await self._write_slices(piece)
                         if sent != part.nbytes:
                             raise TypeError(f"Pieces of {sent} bytes for a value of {part.nbytes}")

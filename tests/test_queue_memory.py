@@ -281,15 +281,16 @@ async def test_stream_many_writes_pieces_and_closes_on_a_short_one(server_url):
         )
         assert replies[:2] == [b"OK", b"OK"] and replies[2] == value
         assert await conn.call((b"STRLEN", "mem:b")) == len(value)
-        short = resp.Pieces(len(value), [view[:10]])
-        with pytest.raises(TypeError):
-            await conn.stream_many([(b"SET", "mem:c", short)])
-        assert conn.closed
+        for wrong in ([view[:10]], [view[:10], view]):  # short; too long
+            with pytest.raises(TypeError):
+                await conn.stream_many([(b"SET", "mem:c", resp.Pieces(len(value), wrong))])
+            assert conn.closed
+            conn = await resp.open_connection(transport.lean_endpoint(server_url))
+            assert await conn.call((b"EXISTS", "mem:c")) == 0
     finally:
         conn.close()
     other = await resp.open_connection(transport.lean_endpoint(server_url))
     try:
-        assert await other.call((b"EXISTS", "mem:c")) == 0
         await other.call((b"DEL", "mem:a", "mem:b"))
     finally:
         other.close()
