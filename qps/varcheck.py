@@ -15,9 +15,10 @@ What qps writes keeps these invariants, and each read checks those it touches:
   that a flip retired meanwhile is a race, and the read is made again);
 * every key holds its type: the meta a hash, ``applied`` a sorted set, the rest strings.
 
-What no check sees, on purpose: **bytes of the right length**. A segment, the copy
-``cur`` of a small value, or a slot segment overwritten with other bytes of its length
-is read as the value it now holds. Any bytes are a value of their dtype (sixteen 0xff
+What no check sees, on purpose: **bytes of the right length**. A segment or a slot
+segment overwritten with other bytes of its length is read as the value it now holds
+(the copy ``cur`` of a small value ends with its version: other bytes over it are not
+taken, and the read goes to the segment). Any bytes are a value of their dtype (sixteen 0xff
 bytes are a float32[4] of NaN), and NaN and Inf are legitimate training state (a
 diverged run, or a checkpoint of one): refusing them would refuse real variables, and a
 checksum would cost every write and every read a pass over its bytes. Likewise a

@@ -311,9 +311,20 @@ def _current_values(
     out: list[VariableValue | None] = []
     for k, v in enumerate(variables):
         (ver, curver), data = replies[2 * k], replies[2 * k + 1]
-        ok = ver is not None and data is not None and curver == ver and len(data) == v.nbytes
-        out.append(VariableValue(v._array(data), v._count(ver)) if ok else None)
+        ok = (
+            ver is not None
+            and data is not None
+            and curver == ver
+            and len(data) == v.nbytes + CUR_SUFFIX
+            and data[-CUR_SUFFIX:] == b"%016x" % v._count(ver)
+        )  # else: not current, or not a copy qps wrote: read the segment (read_many)
+        value = bytearray(memoryview(data)[:-CUR_SUFFIX]) if ok else None
+        out.append(VariableValue(v._array(value), v._count(ver)) if value is not None else None)
     return out
+
+
+#: the copy ``<V>cur`` of a small value ends with its version, 16 hex digits
+CUR_SUFFIX = 16
 
 
 class ReadPlan:

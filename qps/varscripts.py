@@ -124,11 +124,14 @@ end
 -- a small variable (one segment of at most CUR_MAX bytes) keeps a copy of its value at
 -- version ver in P cur (and ver in the meta's 'curver', or in ``fields``, the caller's
 -- own write of the meta), which readers get with a plain GET inside MULTI: no bytes
--- through Lua
+-- through Lua. The copy ends with ver as 16 hex digits: a reader takes it only with
+-- that suffix at its layout's length plus 16, so a copy overwritten by anything else
+-- sends the reader to the segment itself
 local CUR_MAX = CUR_MAX_BYTES
 local function keep_current(gen, nseg, nbytes, ver, fields)
   if tonumber(nseg) == 1 and tonumber(nbytes) <= CUR_MAX then
     redis.call('COPY', seg_key(gen, 0), P .. 'cur', 'REPLACE')
+    redis.call('APPEND', P .. 'cur', string.format('%016x', tonumber(ver)))
     if fields then  -- the caller's meta write takes 'curver'
       fields[#fields + 1] = 'curver'
       fields[#fields + 1] = ver

@@ -397,7 +397,10 @@ CASES: dict[str, Case] = {
     "cur-missing": key(lambda k: k.p("w") + "cur", None),
     "cur-short": key(lambda k: k.p("w") + "cur", b"\0" * 8),
     "cur-wrong-type": key(lambda k: k.p("w") + "cur", LIST),
-    "cur-garbage": key(lambda k: k.p("w") + "cur", FF, alt={("w", 0): NAN4}),
+    # the copy ends with its version: sixteen 0xff bytes are not a copy qps wrote, and
+    # the read goes to the segment (it read as NaN before)
+    "cur-garbage": key(lambda k: k.p("w") + "cur", FF),
+    "cur-garbage-suffixed": key(lambda k: k.p("w") + "cur", FF + b"%016x" % 0),
     # -- optimizer slot segments: read by the shard that owns the variable
     "slot-missing": key(lambda k: k.slot(), None),
     "slot-wrong-type": key(lambda k: k.slot(), HASH),
