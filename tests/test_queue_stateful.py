@@ -721,7 +721,9 @@ class QueueMachine(RuleBasedStateMachine):
 
     async def cancel_pending(self, client: int, length: int) -> None:
         m = self.m
-        for _ in range(4):  # waiting dequeues may take what the first enqueues bring
+        # waiting dequeues may take what the first enqueues bring: each round brings at
+        # least one element more than the room, so their demand bounds the rounds
+        for _ in range(2 + sum(a.n for a in m.dw if a.kind == "deq")):
             if any(a.kind == "enq" for a in m.ew):
                 break
             room = max(m.cap - len(m.items), 0)
