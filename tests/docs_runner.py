@@ -346,7 +346,7 @@ def _console(text: str) -> list[tuple[str, str]]:
 class Page:
     """The session a page's blocks run in."""
 
-    def __init__(self, path: Path, timeout: float = 240.0) -> None:
+    def __init__(self, path: Path, timeout: float = 600.0) -> None:
         self.path = path
         self.timeout = timeout
         self.dir = Path(tempfile.mkdtemp(prefix="qpsdoc-"))
