@@ -299,10 +299,11 @@ def test_ctrl_c_reports_the_chiefs_last_metric() -> None:
         proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    if "exiting now" in err and not out:
-        # the launcher's own deadline (qps.cli.train.STOP_DEADLINE_SECONDS) passed before
-        # it could report: on a machine this busy, the bound on the exit wins (by design)
-        pytest.skip("qps train hit its stop deadline before its report: machine too busy")
+    if ("exiting now" in err and not out) or "no final metrics: not read within" in err:
+        # the launcher's report (workers.launcher.REPORT_SECONDS after the signal) or its
+        # own deadline (qps.cli.train.STOP_DEADLINE_SECONDS) ran out, and it said so: on a
+        # machine this busy the bound on the exit wins (by design)
+        pytest.skip("qps train's report did not fit its stop budget: machine too busy")
     result = json.loads(out)
     # the roles stop at once (the chief does not evaluate after a signal); the launcher
     # evaluates the parameters the job ended with
