@@ -221,17 +221,24 @@ async def _chunk_key(c: Ctx) -> str:
     return f"{c.prefix}b:{bid}:0"
 
 
+async def _spoil_string(c: Ctx, key: str, how: str) -> None:
+    """Spoil string ``key`` (a chunk, a buffer): of the wrong type, missing, cut to 100
+    bytes, or (``garbage``) the same length of other bytes."""
+    if how == "wrongtype":
+        await c.wrong_type(key)
+    elif how == "missing":
+        await c.call("DEL", key)
+    elif how == "truncated":
+        await c.call("SET", key, (await c.call("GET", key))[:100])
+    else:
+        assert how == "garbage", how
+        await c.call("SET", key, b"\xee" * len(await c.call("GET", key)))
+
+
 def chunk(how: str) -> Corrupt:
     async def fn(c: Ctx) -> str:
         key = await _chunk_key(c)
-        if how == "wrongtype":
-            await c.wrong_type(key)
-        elif how == "missing":
-            await c.call("DEL", key)
-        elif how == "truncated":
-            await c.call("SET", key, (await c.call("GET", key))[:100])
-        else:  # same length, garbage bytes
-            await c.call("SET", key, b"\xee" * len(await c.call("GET", key)))
+        await _spoil_string(c, key, how)
         return key
 
     return fn
@@ -241,17 +248,10 @@ def buffer(how: str) -> Corrupt:
     async def fn(c: Ctx) -> str:
         ref = await c.stored_ref()
         key = f"{c.prefix}b:{ref.split(b'|')[1].decode()}"
-        if how == "wrongtype":
-            await c.wrong_type(key)
-        elif how == "missing":
-            await c.call("DEL", key)
-        elif how == "truncated":
-            await c.call("SET", key, (await c.call("GET", key))[:100])
-        elif how == "garbage":
-            await c.call("SET", key, b"\xee" * len(await c.call("GET", key)))
-        else:  # the count of unread rows
+        if how == "count":  # the count of unread rows
             await c.call("SET", key + ":u", b"abc")
             return key + ":u"
+        await _spoil_string(c, key, how)
         return key
 
     return fn
