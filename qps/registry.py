@@ -29,7 +29,7 @@ cannot be read (another type, or no permission) is reported the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,23 +81,26 @@ async def scan_keys(client: Client, pattern: str) -> AsyncIterator[bytes]:
             yield key if isinstance(key, bytes) else str(key).encode()
 
 
-async def _registered_by_key(client: Client) -> set[str]:
+async def _containers_of(
+    client: Client, pattern: str, container: Callable[[bytes], str | None]
+) -> set[str]:
+    """The containers ``container(key)`` names among the keys matching ``pattern``."""
     found: set[str] = set()
-    async for key in scan_keys(client, keys.ALL_REGISTRATIONS):
-        c = keys.is_registration(key)
+    async for key in scan_keys(client, pattern):
+        c = container(key)
         if c is not None:
             found.add(c)
     return found
+
+
+async def _registered_by_key(client: Client) -> set[str]:
+    """Containers with a registration key."""
+    return await _containers_of(client, keys.ALL_REGISTRATIONS, keys.is_registration)
 
 
 async def _discover(client: Client) -> set[str]:
     """Containers that own at least one key, found by scanning the whole keyspace."""
-    found: set[str] = set()
-    async for key in scan_keys(client, keys.ALL_CONTAINER_KEYS):
-        c = keys.container_of(key)
-        if c is not None:
-            found.add(c)
-    return found
+    return await _containers_of(client, keys.ALL_CONTAINER_KEYS, keys.container_of)
 
 
 async def _legacy(client: Client) -> tuple[set[str], list[bytes], list[str]]:
