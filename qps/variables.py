@@ -311,15 +311,15 @@ def _current_values(
     out: list[VariableValue | None] = []
     for k, v in enumerate(variables):
         (ver, curver), data = replies[2 * k], replies[2 * k + 1]
-        ok = (
-            ver is not None
-            and data is not None
-            and curver == ver
-            and len(data) == v.nbytes + CUR_SUFFIX
-            and data[-CUR_SUFFIX:] == b"%016x" % v._count(ver)
-        )  # else: not current, or not a copy qps wrote: read the segment (read_many)
-        value = bytearray(memoryview(data)[:-CUR_SUFFIX]) if ok else None
-        out.append(VariableValue(v._array(value), v._count(ver)) if value is not None else None)
+        if ver is None or data is None or curver != ver or len(data) != v.nbytes + CUR_SUFFIX:
+            out.append(None)  # not current: read the segment (read_many)
+            continue
+        version = v._count(ver)
+        if data[-CUR_SUFFIX:] != b"%016x" % version:
+            out.append(None)  # not a copy qps wrote: read the segment
+            continue
+        value = bytearray(memoryview(data)[:-CUR_SUFFIX])
+        out.append(VariableValue(v._array(value), version))
     return out
 
 
