@@ -32,26 +32,6 @@ INT64_MAX = 2**63 - 1
 #: What a stored int64 looks like (Redis's own INCRBY accepts no more than this).
 _INT64_TEXT = re.compile(rb"-?[0-9]{1,19}")
 
-#: Changes a counter only if it exists (a counter removed by a reset stays removed
-#: instead of coming back at 0). Replies are strings: Lua numbers are doubles, and
-#: an int64 must come back exact. A stored value that is no int64 is left as it is:
-#: ``add`` fails in INCRBY, ``set`` checks it first with ``INCRBY 0`` (a no-op on an
-#: int64), so that the previous value it returns is one.
-_COUNTER_SCRIPT = """
-local old = redis.pcall('GET', KEYS[1])
-if type(old) == 'table' and old.err then return {'err', old.err} end
-if not old then return {'gone'} end
-if ARGV[1] == 'add' then
-  local r = redis.pcall('INCRBY', KEYS[1], ARGV[2])
-  if type(r) == 'table' and r.err then return {'err', r.err} end
-  return {'ok', redis.call('GET', KEYS[1])}
-end
-local r = redis.pcall('INCRBY', KEYS[1], 0)
-if type(r) == 'table' and r.err then return {'err', r.err} end
-redis.call('SET', KEYS[1], ARGV[2])
-return {'ok', old}
-"""
-
 
 def int64_arg(value: Any, what: str) -> int:
     """``value`` as an int64 argument.
@@ -183,7 +163,6 @@ class Counter:
         self._initial = int64_arg(initial, "initial value")
         self._key = keys.counter_key(self._container, self._name)
         self._opened = False
-        self._script: Any = None
 
     @property
     def name(self) -> str:
@@ -228,10 +207,7 @@ class Counter:
 
     async def _run(self, op: str, arg: int) -> int:
         client = await self._c()
-        if self._script is None:
-            self._script = client.commands.register_script(_COUNTER_SCRIPT)
-        with map_errors():
-            reply = await self._script(keys=[self._key], args=[op, arg])
+        reply = await client.run_script("counters/update", [self._key], [op, arg])
         status = registry.text_of(reply[0])
         if status == "gone":
             raise self._gone()

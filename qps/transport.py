@@ -146,14 +146,21 @@ def map_errors() -> Any:
 
 
 def _lua_source(name: str) -> str:
-    """A script's full source: ``fast_common.lua`` (helpers the fast paths share with
-    the library), the shared queue library, then the script body as a function whose
-    reply is returned after ``commit()`` wrote back the meta fields.
+    """A script's full source.
+
+    A name with a folder (``"ps/commit"``: ``qps/lua/ps/commit.lua``) is a script of its
+    own, sent as written. A bare name is a queue script: ``fast_common.lua`` (helpers
+    the fast paths share with the library), the shared queue library, then the script
+    body as a function whose reply is returned after ``commit()`` wrote back the meta
+    fields.
 
     A script with a fast path (``<name>_fast.lua``) runs that first; the full script is
     then wrapped in a function called only when the fast path falls through, so the
     common case skips the library's set-up (about 7 µs of server time per call)."""
     lua = resources.files("qps") / "lua"
+    if "/" in name:
+        folder, file = name.split("/", 1)
+        return (lua / folder / f"{file}.lua").read_text(encoding="utf-8")
     common = (lua / "queue_common.lua").read_text(encoding="utf-8")
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
     full = (
