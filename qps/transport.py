@@ -136,13 +136,32 @@ def translate(exc: RedisError | RedisClusterException | OSError | resp.ReplyErro
 
 @contextlib.contextmanager
 def map_errors() -> Any:
-    """Translate redis-py exceptions raised inside the block into qps errors."""
+    """Translate redis-py exceptions raised inside the block into qps errors, and give
+    back a cancellation that redis-py lost.
+
+    redis-py sends each command under ``asyncio.wait_for`` when its client has a
+    ``socket_timeout`` (fakeredis's default is 5 s; qps's own clients set none). Before
+    Python 3.12 that can swallow a cancellation landing as the write completes (CPython
+    gh-86296): the call returns, and a cancelled blocked dequeue would go on to wait
+    forever. A task whose cancellation count (3.11+) rose inside the block and that
+    got no CancelledError is cancelled here."""
+    task = asyncio.current_task()
+    before = _cancelling(task)
     try:
         yield
     except QpsError:  # already ours (UnavailableError is an OSError too)
         raise
     except (RedisError, RedisClusterException, OSError, resp.ReplyError) as exc:
         raise translate(exc) from exc
+    if _cancelling(task) > before:
+        raise asyncio.CancelledError
+
+
+def _cancelling(task: asyncio.Task[Any] | None) -> int:
+    """How many cancellations ``task`` has been asked for and not withdrawn (0 before
+    Python 3.11, which does not count them)."""
+    count = getattr(task, "cancelling", None)
+    return int(count()) if count is not None else 0
 
 
 def _lua_source(name: str) -> str:
@@ -288,14 +307,12 @@ class Client:
                 except TypeError as exc:  # redis-py: DataError, i.e. InternalError
                     raise InternalError(f"unexpected Redis error: {exc}") from exc
                 return await self._load_then_run(conn, script, command)
-        try:
+        with map_errors():
             try:
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:
                 await self.commands.script_load(script.source)
                 return await self.commands.evalsha(script.sha, len(keys), *keys, *args)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise translate(exc) from exc
 
     @staticmethod
     async def _load_then_run(
@@ -1495,7 +1512,10 @@ def from_redis(
 ) -> Client:
     """Wrap existing redis-py (or fakeredis) asyncio clients in a :class:`Client`.
 
-    Used by the tests for fakeredis, which cannot block inside a pipeline.
+    Used by the tests for fakeredis, which cannot block inside a pipeline. A client
+    with a ``socket_timeout`` (fakeredis's default) sends under ``asyncio.wait_for``,
+    which can lose a task's cancellation before Python 3.12; 3.11 gets it back (see
+    :func:`map_errors`), 3.10 cannot tell: there, give such clients no socket timeout.
     """
     return Client(
         commands,
