@@ -1,4 +1,4 @@
-"""Process orchestration shared by every benchmark in ``bench/`` (WORKLOADS.md rules).
+"""Process orchestration shared by every benchmark in ``bench/`` (bench/README.md, "How a run is timed").
 
 Two sides live here:
 

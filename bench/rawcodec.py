@@ -1,4 +1,4 @@
-"""The encoding of the raw redis-py baselines (WORKLOADS.md, "Baselines to implement").
+"""The encoding of the raw redis-py baselines (bench/README.md, "The workloads").
 
 One message is ``u32 header length (little-endian) | msgpack [[dtype.str, shape], ...] |
 raw C-contiguous bytes of each array``, decoded with ``np.frombuffer`` (zero copy).

@@ -1,4 +1,4 @@
-"""Scaling study: W5 (../shared/WORKLOADS.md: the teacher data, MLP 784-1024-1024-10,
+"""Scaling study: W5 (bench/README.md, "The workloads": the teacher data, MLP 784-1024-1024-10,
 batch 128, SGD 0.01, asynchronous) with 1, 2 and 4 PS shards and 1 to 4 workers, on
 this machine, and the per-step costs a model of a real cluster needs.
 

@@ -1,5 +1,5 @@
 """W4 train-async-small, W5 train-async-large and W6 train-sync-small
-(../shared/WORKLOADS.md): qps against a minimal raw-Redis PS and single-process NumPy,
+(bench/README.md, "The workloads"): qps against a minimal raw-Redis PS and single-process NumPy,
 measured in one run (W6: qps --mode sync against a raw PS that averages one gradient
 per worker per update).
 
@@ -25,8 +25,8 @@ parameters. A dedicated redis-server (TCP loopback, no persistence) serves qps a
 Also printed: the payload bytes per worker step through Redis (P = the parameters'
 bytes; both designs relay through Redis: pull P, push P, the PS reads P and writes P)
 and the loopback bytes per worker step measured from ``/proc/net/dev`` (``lo``, received
-bytes) over the whole run of each side (set-up and the final reads included), as
-WORKLOADS.md asks for W5.
+bytes) over the whole run of each side (set-up and the final reads included): what W5
+moves through Redis per step, checked against the wire.
 
     python bench/train_async.py [--workload w4|w5|w6] [--reps 3] [--threads 1|default]
                                 [--unpacked both|only|no] [--backend auto|numpy|cupy]
@@ -322,11 +322,11 @@ def main() -> None:
                     "use NumPy")  # fmt: skip
     ap.add_argument("--grad-dtype", choices=["float16", "float32"], default="",
                     help="the qps workers send gradients in this dtype (qps worker "
-                    "--grad-dtype; WORKLOADS.md's optional fp16 transfer); default: "
+                    "--grad-dtype: an optional fp16 transfer); default: "
                     "the variables' float32")  # fmt: skip
     ap.add_argument("--unix", action="store_true",
                     help="the dedicated server listens on a unix socket, for qps and raw "
-                    "alike (default: TCP loopback, as the peers were measured)")  # fmt: skip
+                    "alike (default: TCP loopback)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     unpacked = args.unpacked or ("no" if args.workload == "w5" else "both")
