@@ -12,7 +12,7 @@ against a dedicated redis-server. Measured per configuration:
 * **Redis per step**: commands processed and bytes in and out (``INFO stats``), so
   the load one Redis node takes per step is known without a second machine.
 
-With the costs, ``docs/benchmarks.md#scaling`` models a cluster: a worker is bound by
+With the costs, ``docs/scaling.md`` models a cluster: a worker is bound by
 its own compute and round trips, a shard by its apply CPU for its share of the
 parameters, one Redis node by its CPU (about one core) and its NIC. Redis Cluster
 multiplies the last bound by the number of primaries the shards' variables hash to.
