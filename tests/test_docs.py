@@ -37,6 +37,11 @@ def _mkdocs_missing() -> str | None:
     return None
 
 
+#: A strict build takes ~10 s on an idle 2-core machine and minutes beside CPU hogs:
+#: each build may take 300 s, and a test that builds twice gets the whole of both.
+MKDOCS = pytest.mark.timeout(700)
+
+
 def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     return subprocess.run(
@@ -64,6 +69,7 @@ def _sections(text: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------- mkdocs
 
 
+@MKDOCS
 def test_mkdocs_build_strict_passes(tmp_path: Path) -> None:
     missing = _mkdocs_missing()
     if missing:
@@ -77,6 +83,7 @@ def test_mkdocs_build_strict_passes(tmp_path: Path) -> None:
     assert 'id="qps-ps-dlq-show"' in html
 
 
+@MKDOCS
 def test_strict_build_rejects_a_broken_anchor_but_not_a_page_outside_the_nav(
     tmp_path: Path,
 ) -> None:
