@@ -40,6 +40,7 @@ __all__ = [
     "check_shape",
     "dtype_name",
     "format_shape",
+    "ranges_arg",
     "row_runs",
     "split_runs",
 ]
@@ -398,3 +399,14 @@ def split_runs(
     before = np.cumsum(counts) - counts
     cuts = np.flatnonzero(np.diff(before // max_rows)) + 1
     return list(zip(np.split(starts, cuts), np.split(counts, cuts)))
+
+
+def ranges_arg(
+    lay: Layout, starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64], last: int
+) -> str:
+    """The script argument naming runs of rows as ``"segment offset x,..."`` (byte
+    offset in the segment; ``x`` the last byte for ``last=-1``, the length for 0)."""
+    seg = starts // lay.seg_rows
+    lo = (starts - seg * lay.seg_rows) * lay.row_bytes
+    x = counts * lay.row_bytes + (lo + last if last else 0)
+    return ",".join(f"{a} {b} {c}" for a, b, c in zip(seg.tolist(), lo.tolist(), x.tolist()))
