@@ -1,13 +1,8 @@
 """Checkpoints: a consistent snapshot of a container's PS job on disk, and its restore
 (TF 1.x: ``tf.train.Saver``; see ``docs/checkpoints.md``).
 
-A checkpoint is a directory::
-
-    manifest.json                 what is stored: specs, versions, shard map, counters,
-                                  the PS config, a sha256 per data file
-    shard-00000-of-00002.npz      the values and optimizer slots of the variables placed
-    shard-00001-of-00002.npz      on each shard (NumPy .npz, loaded with allow_pickle=False)
-    unplaced.npz                  variables placed on no shard (if any)
+A checkpoint is a directory of a manifest and NumPy ``.npz`` files (:mod:`qps.ckfiles`:
+its format, writing, reading and verifying it).
 
 **Consistency.** :func:`save` takes the snapshot in one ``MULTI``/``EXEC``: for every
 variable, one script copies (server-side ``COPY``, no bytes through Lua or the network)
@@ -31,33 +26,37 @@ the state of the job at the instant the last hold was placed: the same guarantee
 single server's, a shard's group commit being one script per variable on both. A saver
 that dies holding variables stalls their commits for at most :data:`HOLD_MS`.
 
-**On disk** the checkpoint is written to a temporary directory next to the target,
-every file fsynced, then renamed into place: a crash leaves either no checkpoint or a
-whole one. :func:`restore` verifies every checksum and every array before it writes
-anything to Redis.
+**On disk** a crash leaves either no checkpoint or a whole one; :func:`restore`
+verifies every checksum and every array before it writes anything to Redis.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import hashlib
+import asyncio
 import json
 import os
 import secrets
-import shutil
 import time
-import zipfile
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from qps import initializers, keys, packing
+from qps import ckfiles, initializers, keys, packing
 from qps._version import __version__
+from qps.ckfiles import (
+    MANIFEST,
+    Checkpoint,
+    CheckpointInfo,
+    latest,
+    list_checkpoints,
+    load,
+    read_manifest,
+)
 from qps.containers import Counter, reset, scan_container_keys
 from qps.errors import (
     DataLossError,
@@ -67,9 +66,10 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.session import Session
-from qps.transport import Client, map_errors, pipeline_script
+from qps.transport import Client, map_errors
 from qps.variables import Variable
 from qps.varspec import Layout, VariableSpec, dtype_name
+from qps.varwrite import text
 
 __all__ = [
     "MANIFEST",
@@ -79,14 +79,11 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "load",
+    "read_manifest",
     "restore",
     "save",
 ]
 
-#: The manifest's file name inside a checkpoint directory.
-MANIFEST = "manifest.json"
-FORMAT = "qps-checkpoint"
-FORMAT_VERSION = 1
 #: Pinned copies of a snapshot expire after this long if the saver dies before it
 #: deletes them.
 PIN_TTL_MS = 600_000
@@ -98,79 +95,12 @@ SNAPSHOT_ATTEMPTS = 5
 #: it has pinned them all and read the counters (milliseconds, in-server copies).
 HOLD_MS = 10_000
 
-# KEYS[1]: a variable's meta. ARGV: snapshot id, TTL of the pinned copies (ms)[, hold
-# (ms)]. Copies the segments of the current value generation and of the current slot
-# generation to P ck:<id>:d:<i> and P ck:<id>:o:<slot>:<i> (same hash tag: same slot),
-# and returns the meta hash and the applied ids, all as of this instant. With a hold
-# (a snapshot on Redis Cluster), the variable's writes are refused ('held', see
-# qps.variables) until _RELEASE or for that long.
-_SNAPSHOT = """
-local P = string.sub(KEYS[1], 1, -5)
-if ARGV[3] and redis.call('EXISTS', KEYS[1]) == 1 then
-  local t = redis.call('TIME')
-  local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
-  redis.call('HSET', KEYS[1], 'hold', string.format('%.0f', until_ms), 'hold_by', ARGV[1])
-  redis.call('DEL', P .. 'unheld')
-end
-local m = redis.call('HGETALL', KEYS[1])
-if #m == 0 then return {'gone'} end
-local f = {}
-for i = 1, #m, 2 do f[m[i]] = m[i + 1] end
-local nseg = tonumber(f['nseg'])
-local pin = P .. 'ck:' .. ARGV[1] .. ':'
-local function copy(src, dst)
-  if redis.call('COPY', src, dst, 'REPLACE') == 0 then return false end
-  redis.call('PEXPIRE', dst, ARGV[2])
-  return true
-end
-for i = 0, nseg - 1 do
-  if not copy(P .. 'd:' .. f['gen'] .. ':' .. i, pin .. 'd:' .. i) then
-    return {'missing', 'd:' .. f['gen'] .. ':' .. i}
-  end
-end
-if f['slots'] and f['slots'] ~= '' then
-  for s in string.gmatch(f['slots'], '[^,]+') do
-    for i = 0, nseg - 1 do
-      if not copy(P .. 'o:' .. f['sgen'] .. ':' .. s .. ':' .. i, pin .. 'o:' .. s .. ':' .. i) then
-        return {'missing', 'o:' .. f['sgen'] .. ':' .. s .. ':' .. i}
-      end
-    end
-  end
-end
-return {'ok', m, redis.call('ZRANGE', P .. 'applied', 0, -1, 'WITHSCORES')}
-"""
-
-# KEYS[1]: a variable's meta. ARGV: snapshot id. Ends the snapshot's hold (not another
-# snapshot's) and wakes the writers waiting for it (BLPOP on P unheld).
-_RELEASE = """
-local P = string.sub(KEYS[1], 1, -5)
-if redis.call('HGET', KEYS[1], 'hold_by') ~= ARGV[1] then return 0 end
-redis.call('HDEL', KEYS[1], 'hold', 'hold_by')
-redis.call('RPUSH', P .. 'unheld', '1')
-redis.call('PEXPIRE', P .. 'unheld', 60000)
-return 1
-"""
-
-# KEYS[1]: a variable's meta. ARGV: snapshot id. Deletes the snapshot's pinned copies
-# of the variable (as many segments and slots as it has now; any others expire).
-_UNPIN = """
-local pin = string.sub(KEYS[1], 1, -5) .. 'ck:' .. ARGV[1] .. ':'
-local m = redis.call('HMGET', KEYS[1], 'nseg', 'slots')
-local n = tonumber(m[1] or '0')
-for i = 0, n - 1 do redis.call('UNLINK', pin .. 'd:' .. i) end
-for s in string.gmatch(m[2] or '', '[^,]+') do
-  for i = 0, n - 1 do redis.call('UNLINK', pin .. 'o:' .. s .. ':' .. i) end
-end
-return 1
-"""
-
-
-def _text(x: Any) -> str:
-    return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
+#: The scripts of a snapshot (qps/lua/checkpoint/): pin (and hold), release, unpin.
+SNAPSHOT, RELEASE, UNPIN = "checkpoint/snapshot", "checkpoint/release", "checkpoint/unpin"
 
 
 def _pairs(flat: list[Any]) -> list[tuple[str, Any]]:
-    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+    return [(text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
 def _client_and_container(obj: Any, container: str | None) -> tuple[Client, str | None]:
@@ -179,68 +109,6 @@ def _client_and_container(obj: Any, container: str | None) -> tuple[Client, str 
     if isinstance(obj, Client):
         return obj, container
     raise InvalidArgumentError(f"expected a qps.Session or a qps.Client, got {obj!r}")
-
-
-# -- what a checkpoint holds --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory, from its manifest (what ``qps checkpoint ls`` shows).
-
-    Attributes:
-        path: the directory.
-        container: the container it was taken from.
-        global_step: the global step at the snapshot.
-        created_ms: when the snapshot was taken (the server's clock, ms).
-        variables: how many variables it holds; ``nbytes``: their value bytes.
-        manifest: the whole manifest.
-    """
-
-    path: Path
-    container: str
-    global_step: int
-    created_ms: int
-    variables: int
-    nbytes: int
-    manifest: dict[str, Any] = field(repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "container": self.container,
-            "global_step": self.global_step,
-            "created_ms": self.created_ms,
-            "created": _iso(self.created_ms),
-            "variables": self.variables,
-            "nbytes": self.nbytes,
-            "qps_version": self.manifest.get("qps_version"),
-        }
-
-
-@dataclass
-class Checkpoint:
-    """A loaded, verified checkpoint: the manifest and every array.
-
-    Attributes:
-        info: what :func:`list_checkpoints` shows.
-        values: variable name -> value.
-        slots: variable name -> {slot name -> array}.
-    """
-
-    info: CheckpointInfo
-    values: dict[str, npt.NDArray[Any]]
-    slots: dict[str, dict[str, npt.NDArray[Any]]]
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        return self.info.manifest
-
-
-def _iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(
-        timespec="milliseconds"
-    )
 
 
 # -- the snapshot ------------------------------------------------------------------------------
@@ -265,8 +133,8 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
     take = _take_held if client.cluster else _take_at_once
     for _ in range(SNAPSHOT_ATTEMPTS):
         with map_errors():
-            names = sorted(_text(n) for n in await client.commands.smembers(vreg))
-            counters = sorted(_text(n) for n in await client.commands.smembers(creg))
+            names = sorted(text(n) for n in await client.commands.smembers(vreg))
+            counters = sorted(text(n) for n in await client.commands.smembers(creg))
         t0 = time.perf_counter()
         try:
             replies = await take(client, container, names, counters, snap_id)
@@ -274,8 +142,8 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
             await _unpin(client, container, names, snap_id)
             raise
         pause_ms = (time.perf_counter() - t0) * 1000
-        now_names = sorted(_text(n) for n in replies[0])
-        now_counters = sorted(_text(n) for n in replies[1])
+        now_names = sorted(text(n) for n in replies[0])
+        now_counters = sorted(text(n) for n in replies[1])
         if now_names != names or now_counters != counters:
             await _unpin(client, container, names, snap_id)
             continue  # a variable or counter was created meanwhile: take it again
@@ -285,8 +153,8 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
             metas={},
             applied={},
             counters={},
-            config={_text(k): _text(v) for k, v in replies[3].items()},
-            placement={_text(k): int(v) for k, v in replies[4].items()},
+            config={text(k): text(v) for k, v in replies[3].items()},
+            placement={text(k): int(v) for k, v in replies[4].items()},
             time_ms=int(secs) * 1000 + int(usecs) // 1000,
             pause_ms=pause_ms,
         )
@@ -297,21 +165,21 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
             if raw is not None:
                 snap.counters[c] = {
                     "value": int(raw),
-                    "applied": [[_text(i), int(s)] for i, s in applied],
+                    "applied": [[text(i), int(s)] for i, s in applied],
                 }
         for n, reply in zip(names, replies[at:], strict=True):
-            status = _text(reply[0])
+            status = text(reply[0])
             if status == "gone":  # registered but deleted: not part of the job
                 continue
             if status != "ok":
                 await _unpin(client, container, names, snap_id)
                 raise DataLossError(
-                    f"variable '{container}/{n}': key {_text(reply[1])} of its current "
+                    f"variable '{container}/{n}': key {text(reply[1])} of its current "
                     "state is missing; nothing was saved"
                 )
             snap.names.append(n)
-            snap.metas[n] = {k: _text(v) for k, v in _pairs(reply[1])}
-            snap.applied[n] = [[k, int(float(_text(v)))] for k, v in _pairs(reply[2])]
+            snap.metas[n] = {k: text(v) for k, v in _pairs(reply[1])}
+            snap.applied[n] = [[k, int(float(text(v)))] for k, v in _pairs(reply[2])]
         return snap
     raise InternalError(
         f"container '{container}': its variables kept changing during {SNAPSHOT_ATTEMPTS} "
@@ -339,17 +207,16 @@ async def _take_at_once(
     client: Client, container: str, names: list[str], counters: list[str], snap_id: str
 ) -> list[Any]:
     """A single server's snapshot: the reads and every variable's pin in one
-    ``MULTI``/``EXEC``, one instant of the server."""
-    script = client.commands.register_script(_SNAPSHOT)
+    ``MULTI``/``EXEC``, one instant of the server (the script loaded first: inside the
+    transaction it must not meet NOSCRIPT)."""
+    script = client._script(SNAPSHOT)
     with map_errors():
+        await client.commands.script_load(script.source)
         pipe = client.commands.pipeline(transaction=True)
         _queue_reads(pipe, container, counters)
         for n in names:
-            await script(
-                keys=[keys.variable_meta(container, n)],
-                args=[snap_id, PIN_TTL_MS],
-                client=pipe,
-            )
+            meta = keys.variable_meta(container, n)
+            pipe.execute_command("EVALSHA", script.sha, 1, meta, snap_id, PIN_TTL_MS)
         return list(await pipe.execute())
 
 
@@ -361,41 +228,42 @@ async def _take_held(
     held, the counters and the rest are read; then the holds are released. While a
     variable is held its commits wait, so once all are held the pinned copies are the
     job's state of that instant (see the module docstring)."""
-    meta = [keys.variable_meta(container, n) for n in names]
-    hold = client.commands.register_script(_SNAPSHOT)
-    release = client.commands.register_script(_RELEASE)
+    metas = [keys.variable_meta(container, n) for n in names]
     try:
+        pinned = await _each(client, SNAPSHOT, metas, [snap_id, PIN_TTL_MS, HOLD_MS])
+        for reply in pinned:
+            if isinstance(reply, BaseException):
+                raise reply
         with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for k in meta:
-                await pipeline_script(client, pipe, hold, [k], [snap_id, PIN_TTL_MS, HOLD_MS])
-            pinned = await pipe.execute()
             pipe = client.commands.pipeline(transaction=False)
             _queue_reads(pipe, container, counters, time=False)
             registries = await pipe.execute()
     finally:
-        with contextlib.suppress(Exception), map_errors():  # else the holds run out
-            pipe = client.commands.pipeline(transaction=False)
-            for k in meta:
-                await pipeline_script(client, pipe, release, [k], [snap_id])
-            await pipe.execute()
+        await _each(client, RELEASE, metas, [snap_id])  # else the holds run out
     with map_errors():
         now = await client.commands.time()
     return [*registries[:2], now, *registries[2:], *pinned]
 
 
 async def _unpin(client: Client, container: str, names: list[str], snap_id: str) -> None:
-    """Delete the snapshot's pinned copies (one script per variable, all in one
-    pipeline; any left over expire after PIN_TTL_MS)."""
-    if not names:
-        return
-    script = client.commands.register_script(_UNPIN)
-    with contextlib.suppress(Exception), map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for n in names:
-            k = keys.variable_meta(container, n)
-            await pipeline_script(client, pipe, script, [k], [snap_id])
-        await pipe.execute()
+    """Delete the snapshot's pinned copies (one script per variable; any left over
+    expire after PIN_TTL_MS)."""
+    await _each(client, UNPIN, [keys.variable_meta(container, n) for n in names], [snap_id])
+
+
+#: Scripts of :func:`_each` in flight at once.
+EACH_AT_ONCE = 256
+
+
+async def _each(client: Client, name: str, metas: list[str], args: list[Any]) -> list[Any]:
+    """Script ``name`` run for each variable meta of ``metas`` with ``args``, all
+    concurrently (they pipeline on the connection to each node); the replies, an
+    exception in place of a failed one's. Every script has run or failed on return."""
+    out: list[Any] = []
+    for at in range(0, len(metas), EACH_AT_ONCE):
+        runs = (client.run_script(name, [k], args) for k in metas[at : at + EACH_AT_ONCE])
+        out += await asyncio.gather(*runs, return_exceptions=True)
+    return out
 
 
 async def _read_pinned(
@@ -418,36 +286,6 @@ async def _read_pinned(
             view[at : at + len(part)] = part
             at += len(part)
     return np.frombuffer(buf, dtype=spec.dtype).reshape(spec.shape)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _storable(arr: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], bool]:
-    """The array as .npz stores it without pickle: dtypes NumPy does not know by
-    itself (bfloat16 from ml_dtypes) as their raw bytes (``raw=True``)."""
-    if arr.dtype.kind == "V" or arr.dtype.hasobject:
-        return arr.copy(order="C").reshape(-1).view(np.uint8), True
-    return arr if arr.flags.c_contiguous else arr.copy(order="C"), False
-
-
-def _data_file(shard: int | None, num_shards: int) -> str:
-    if shard is None:
-        return "unplaced.npz"
-    return f"shard-{shard:05d}-of-{num_shards:05d}.npz"
 
 
 async def save(
@@ -501,9 +339,9 @@ async def save(
             value = await _read_pinned(client, pin + "d:", lay, spec, f"variable '{n}'")
             slot_names = [s for s in meta.get("slots", "").split(",") if s]
             shard = snap.placement.get(n)
-            fname = _data_file(shard, num_shards)
+            fname = ckfiles.data_file(shard, num_shards)
             arrays = files.setdefault(fname, {})
-            stored, raw = _storable(value)
+            stored, raw = ckfiles.storable(value)
             vkey = f"a{len(arrays)}"
             arrays[vkey] = stored
             slot_keys = {}
@@ -512,7 +350,7 @@ async def save(
                     client, f"{pin}o:{s}:", lay, spec, f"slot '{s}' of variable '{n}'"
                 )
                 skey = f"a{len(arrays)}"
-                arrays[skey] = _storable(arr)[0]
+                arrays[skey] = ckfiles.storable(arr)[0]
                 slot_keys[s] = skey
             total += spec.nbytes
             variables[n] = {
@@ -545,11 +383,11 @@ async def save(
         if layout is not None and not {part for part, _ in layout.parts} <= set(variables):
             layout = None
         manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format": ckfiles.FORMAT,
+            "format_version": ckfiles.FORMAT_VERSION,
             "qps_version": __version__,
             "created_ms": snap.time_ms,
-            "created": _iso(snap.time_ms),
+            "created": ckfiles.iso(snap.time_ms),
             "container": cont,
             "global_step": gs,
             "snapshot_pause_ms": round(snap.pause_ms, 3),
@@ -562,191 +400,10 @@ async def save(
             "packed": None if layout is None else json.loads(layout.to_json()),
             "files": {},
         }
-        _write_dir(target, files, manifest)
+        ckfiles.write_dir(target, files, manifest)
     finally:
         await _unpin(client, cont, snap.names, snap_id)
-    return _info(target, manifest)
-
-
-def _write_dir(
-    target: Path, files: Mapping[str, Mapping[str, npt.NDArray[Any]]], manifest: dict[str, Any]
-) -> None:
-    """Write the files to a temporary directory beside ``target``, fsync them, then
-    rename it to ``target``: a crash leaves no checkpoint or a whole one."""
-    parent = target.parent if str(target.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        for fname, arrays in files.items():
-            path = tmp / fname
-            with open(path, "wb") as f:
-                np.savez(f, **arrays)  # type: ignore[arg-type]
-                f.flush()
-                os.fsync(f.fileno())
-            manifest["files"][fname] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
-        mpath = tmp / MANIFEST
-        with open(mpath, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if target.exists():
-            raise FailedPreconditionError(f"checkpoint directory {target} exists already")
-        os.rename(tmp, target)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-# -- reading -----------------------------------------------------------------------------------
-
-
-def _info(path: Path, m: dict[str, Any]) -> CheckpointInfo:
-    try:
-        return CheckpointInfo(
-            path=path,
-            container=str(m["container"]),
-            global_step=int(m["global_step"]),
-            created_ms=int(m["created_ms"]),
-            variables=len(m["variables"]),
-            nbytes=sum(int(v["nbytes"]) for v in m["variables"].values()),
-            manifest=m,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DataLossError(f"checkpoint {path}: bad manifest: {exc!r}") from exc
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> CheckpointInfo:
-    """The manifest of checkpoint ``directory`` (no data file is read).
-
-    Raises:
-        NotFoundError: no checkpoint there (no manifest).
-        DataLossError: a manifest that is not JSON or not a qps checkpoint's.
-    """
-    path = Path(directory)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise NotFoundError(f"no checkpoint at {path} (no {MANIFEST})")
-    try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DataLossError(f"checkpoint {path}: unreadable manifest: {exc}") from exc
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise DataLossError(f"checkpoint {path}: {MANIFEST} is not a qps checkpoint manifest")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise DataLossError(
-            f"checkpoint {path}: format version {m.get('format_version')!r} is not known "
-            f"to qps {__version__} (it reads {FORMAT_VERSION})"
-        )
-    return _info(path, m)
-
-
-def load(directory: str | os.PathLike[str]) -> Checkpoint:
-    """Read and verify checkpoint ``directory``: every data file's sha256, and every
-    array's presence, shape and dtype against the manifest (TF:
-    ``tf.train.load_checkpoint``). Nothing is unpickled.
-
-    Raises:
-        NotFoundError: no checkpoint there.
-        DataLossError: a missing or corrupt file, a checksum mismatch, or an array
-            that disagrees with the manifest.
-    """
-    info = read_manifest(directory)
-    m = info.manifest
-    path = info.path
-    opened: dict[str, Any] = {}
-    try:
-        for fname, meta in m["files"].items():
-            if "/" in fname or fname.startswith("."):
-                raise DataLossError(f"checkpoint {path}: bad file name {fname!r} in the manifest")
-            fpath = path / fname
-            if not fpath.is_file():
-                raise DataLossError(f"checkpoint {path}: data file {fname} is missing")
-            digest = _sha256(fpath)
-            if digest != meta["sha256"]:
-                raise DataLossError(
-                    f"checkpoint {path}: data file {fname} is corrupt (sha256 {digest[:16]}..., "
-                    f"the manifest says {str(meta['sha256'])[:16]}...); nothing was restored"
-                )
-            try:
-                opened[fname] = np.load(fpath, allow_pickle=False)
-            except (OSError, ValueError, zipfile.BadZipFile) as exc:
-                raise DataLossError(f"checkpoint {path}: data file {fname}: {exc}") from exc
-        values: dict[str, npt.NDArray[Any]] = {}
-        slots: dict[str, dict[str, npt.NDArray[Any]]] = {}
-        for n, v in m["variables"].items():
-            spec = VariableSpec.from_json(json.dumps(v["spec"]))
-            npz = opened.get(v["file"])
-            if npz is None:
-                raise DataLossError(f"checkpoint {path}: variable '{n}': no file {v['file']}")
-
-            def get(
-                key: str,
-                what: str,
-                npz: Any = npz,
-                spec: VariableSpec = spec,
-                raw: bool = bool(v.get("raw")),
-            ) -> Any:
-                try:
-                    arr = npz[key]
-                except (KeyError, ValueError, OSError, zipfile.BadZipFile) as exc:
-                    raise DataLossError(f"checkpoint {path}: {what}: {exc!r}") from exc
-                if raw:
-                    if arr.dtype != np.uint8 or arr.size != spec.nbytes:
-                        raise DataLossError(f"checkpoint {path}: {what}: wrong raw size")
-                    return arr.view(spec.dtype).reshape(spec.shape)
-                if arr.shape != spec.shape or arr.dtype != spec.dtype:
-                    raise DataLossError(
-                        f"checkpoint {path}: {what} is {arr.dtype} {list(arr.shape)}, the "
-                        f"manifest says {dtype_name(spec.dtype)} {list(spec.shape)}"
-                    )
-                return arr
-
-            values[n] = get(v["value"], f"variable '{n}'")
-            slots[n] = {s: get(k, f"slot '{s}' of '{n}'") for s, k in v["slots"].items()}
-            int(v["token"]), int(v["version"])  # what restore reads, checked before it writes
-            if slots[n] and int(v["version"]) > 0:
-                int(v["t"])
-        for cv in m["counters"].values():
-            int(cv["value"]), list(cv["applied"] or [])
-        dict(m["placement"] or {}), dict(m["config"] or {})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DataLossError(f"checkpoint {path}: bad manifest: {exc!r}") from exc
-    finally:
-        for f in opened.values():
-            f.close()
-    return Checkpoint(info, values, slots)
-
-
-def list_checkpoints(root: str | os.PathLike[str] = ".") -> list[CheckpointInfo]:
-    """The checkpoints directly under ``root`` (and ``root`` itself, if it is one),
-    oldest first (by global step, then time). Directories whose manifest cannot be
-    read are left out.
-
-    Raises:
-        NotFoundError: ``root`` is not a directory.
-    """
-    base = Path(root)
-    if not base.is_dir():
-        raise NotFoundError(f"no directory {base}")
-    found = []
-    for d in [base, *sorted(p for p in base.iterdir() if p.is_dir())]:
-        if d.name.startswith("."):  # a save in progress, or a hidden directory
-            continue
-        if (d / MANIFEST).is_file():
-            with contextlib.suppress(DataLossError, NotFoundError):
-                found.append(read_manifest(d))
-    return sorted(found, key=lambda i: (i.global_step, i.created_ms, str(i.path)))
-
-
-def latest(root: str | os.PathLike[str] = ".") -> Path | None:
-    """The newest checkpoint under ``root`` (highest global step, then time), or None
-    (TF: ``tf.train.latest_checkpoint``)."""
-    found = list_checkpoints(root)
-    return found[-1].path if found else None
+    return ckfiles.checkpoint_info(target, manifest)
 
 
 # -- restore ---------------------------------------------------------------------------------
@@ -789,7 +446,7 @@ async def restore(
         FailedPreconditionError: the container is not empty and ``overwrite`` is False
             (nothing was written).
     """
-    ck = load(directory)
+    ck = ckfiles.load(directory)
     m = ck.manifest
     packed = None
     if m.get("packed") is not None:  # checkpoints from before qps 0.x have none
@@ -902,3 +559,11 @@ async def _restore_variable(
             await client.commands.zadd(
                 keys.variable_applied(container, name), {i: s for i, s in v["applied"]}
             )
+
+
+def _source(name: str) -> str:
+    return (resources.files("qps") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+#: The pin and release scripts' sources, for tests that run them by hand (``EVAL``).
+_SNAPSHOT, _RELEASE = _source(SNAPSHOT), _source(RELEASE)

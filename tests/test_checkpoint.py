@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import qps
-from qps import checkpoint, keys
+from qps import checkpoint, ckfiles, keys
 from qps.cli import checkpoint as cli_checkpoint
 from qps.cli.main import cli
 from qps.errors import DataLossError, FailedPreconditionError, NotFoundError
@@ -227,22 +227,22 @@ async def test_a_hold_makes_writes_wait_for_the_release(
         check(reply, *args)
 
     monkeypatch.setattr(v, "_check_write", recording)
-    await client.commands.eval(checkpoint._SNAPSHOT, 1, meta, "s1", 60_000, 60_000)
+    await client.run_script(checkpoint.SNAPSHOT, [meta], ["s1", 60_000, 60_000])
     task = asyncio.create_task(v.publish(np.ones(4), 1, 1))
     await until(lambda: _true(refused))
     await until_blocked(client, task=task, what="the refused publish blocked in BLPOP")
-    assert await client.commands.eval(checkpoint._RELEASE, 1, meta, "s2") == 0
+    assert await client.run_script(checkpoint.RELEASE, [meta], ["s2"]) == 0
     # another snapshot's release left s1's hold in place and woke no one: still waiting
     assert await client.commands.hget(meta, "hold_by") == b"s1"
     assert await blocked_clients(client) >= 1 and refused == ["held"]
     assert not task.done() and await v.version() == 0
-    assert await client.commands.eval(checkpoint._RELEASE, 1, meta, "s1") == 1
+    assert await client.run_script(checkpoint.RELEASE, [meta], ["s1"]) == 1
     await asyncio.wait_for(task, 10)
     got = await v.read()
     assert got.version == 1 and (got.value == 1).all()
 
     refused.clear()
-    await client.commands.eval(checkpoint._SNAPSHOT, 1, meta, "s3", 60_000, 300)
+    await client.run_script(checkpoint.SNAPSHOT, [meta], ["s3", 60_000, 300])
     await asyncio.wait_for(v.publish_rows([2], [7.0], 2, 1), 10)  # no release: it runs out
     got = await v.read()
     assert refused == ["held"] and got.version == 2 and got.value.tolist() == [1, 1, 7, 1]
@@ -292,7 +292,7 @@ async def test_corrupt_checkpoints_are_refused(client: qps.Client, tmp_path: Pat
     with zipfile.ZipFile(pickled / "unplaced.npz", "a") as z, z.open("evil.npy", "w") as f:
         np.lib.format.write_array(f, np.array([{"x": 1}], dtype=object), allow_pickle=True)
     path = pickled / "unplaced.npz"
-    m["files"]["unplaced.npz"]["sha256"] = checkpoint._sha256(path)
+    m["files"]["unplaced.npz"]["sha256"] = ckfiles.sha256(path)
     name = next(n for n, v in m["variables"].items() if v["file"] == "unplaced.npz")
     m["variables"][name]["value"] = "evil"
     (pickled / "manifest.json").write_text(json.dumps(m))
