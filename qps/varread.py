@@ -338,7 +338,7 @@ async def read_rows(v: Variable, client: Client, idx: npt.NDArray[Any]) -> Varia
     for attempt in range(READ_ATTEMPTS + 1):
         if attempt == READ_ATTEMPTS and len(args) > 1:  # one snapshot: MULTI/EXEC
             source = client._script(READ_SCRIPT).source
-            replies = await client.run_transaction([(b"EVAL", source, 1, *meta, *a) for a in args])
+            replies = await client.run_transaction([("EVAL", source, 1, *meta, *a) for a in args])
         else:  # the scripts of the batches pipeline on one connection
             runs_of = (client.run_script(READ_SCRIPT, meta, a) for a in args)
             replies = list(await asyncio.gather(*runs_of))
