@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import math
 import os
@@ -93,21 +92,18 @@ def slope(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def _script_names() -> dict[str, str]:
-    """SHA1 -> name of the Lua scripts qps runs (queues, variables, PS shard)."""
-    from qps import transport, varscripts
-    from qps.ps import shard
+    """SHA1 -> name of the Lua scripts qps runs: the queue scripts in ``qps/lua/`` and
+    the scripts of their own in its folders (``vars/write``, ``ps/...``)."""
+    from qps import transport
 
+    lua = Path(transport.__file__).parent / "lua"
     names = {}
-    for path in sorted((Path(transport.__file__).parent / "lua").glob("*.lua")):
-        stem = path.stem
-        if stem.endswith(("_fast", "_common")):
-            continue
-        names[transport._Script(stem).sha] = f"queue {stem}"
-    for attr in ("_CREATE", "_PUBLISH", "_PUBLISH_ROWS", "_FENCE", "_INIT_SLOTS", "_READ"):
-        body = varscripts._PRELUDE + getattr(varscripts, attr)
-        names[hashlib.sha1(body.encode()).hexdigest()] = f"variable {attr[1:].lower()}"
-    for attr in ("_LEASE", "_COUNT_STEPS", "_TOKENS_IF_COMMITTED"):
-        names[hashlib.sha1(getattr(shard, attr).encode()).hexdigest()] = f"shard {attr[1:].lower()}"
+    for path in sorted(lua.glob("*.lua")):
+        if not path.stem.endswith(("_fast", "_common")):
+            names[transport._Script(path.stem).sha] = f"queue {path.stem}"
+    for path in sorted(lua.glob("*/*.lua")):
+        name = f"{path.parent.name}/{path.stem}"
+        names[transport._Script(name).sha] = name
     return names
 
 
