@@ -1,13 +1,12 @@
 """A PS shard's read-ahead and group bookkeeping (qps.ps.shard): the deliveries taken
-ahead of the apply (:class:`_Item` in an :class:`_Inbox` that the reader and the applier
-wake each other through), what a group of messages must commit per variable
+ahead of the apply (:class:`_Item` in an :class:`_Inbox`, the memory stream between the
+readers and the applier), what a group of messages must commit per variable
 (:class:`_Group`, :class:`_Pending`), a synchronous update's accumulated gradients
 (:class:`_Accum`), and helpers over deliveries. Nothing here talks to Redis."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qps.aio import wait_event
 from qps.ps.messages import GradientMessage, SparseGradient
 from qps.queues.base import Delivery
 
@@ -36,12 +36,17 @@ class _Item:
 
 
 class _Inbox:
-    """Deliveries read ahead of the apply, in order, bounded by count and bytes; the
-    reader and the applier wake each other: every change resolves the futures of all
-    those waiting (:meth:`until`), each registered before its waiter sleeps, so a
-    wake-up is never lost. (One shared event that each waiter cleared before waiting
-    lost them: the reader's put set it and its own next wait cleared it again before
-    the applier's wait had started, which then slept until its timeout.)"""
+    """Deliveries read ahead of the apply, in order, bounded by count and bytes: a
+    memory stream between the readers (the producers: :meth:`put`, :meth:`finish`,
+    :meth:`fail`) and the applier (the consumer: :meth:`take`, :meth:`drain`).
+
+    Each side waits for the other with :meth:`until`. Every change sets the current
+    change event and replaces it with a fresh one; a waiter checks its condition and
+    picks up the current event with no await in between, so a change after the check
+    sets the very event it waits on: no wake-up is lost, and none is left set for a
+    waiter that comes later (the bug of one shared event that each waiter cleared).
+    (An ``asyncio.Condition`` would need its lock held to notify: the producers here
+    are plain calls, not coroutines.)"""
 
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self.items: deque[_Item] = deque()
@@ -53,7 +58,7 @@ class _Inbox:
         self.closing = False
         self.error: BaseException | None = None
         self._max_items, self._max_bytes = max_items, max_bytes
-        self._waiting: list[asyncio.Future[None]] = []
+        self._change = asyncio.Event()
 
     def full(self) -> bool:
         return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
@@ -66,7 +71,7 @@ class _Inbox:
     def put(self, item: _Item) -> None:
         self.items.append(item)
         self.nbytes += item.nbytes
-        self._changed()
+        self.wake()
 
     def drain(self) -> list[_Item]:
         """Every item, oldest first, taken out."""
@@ -78,7 +83,7 @@ class _Inbox:
     def take(self) -> _Item:
         item = self.items.popleft()
         self.nbytes -= item.nbytes
-        self._changed()
+        self.wake()
         return item
 
     def finish(self) -> None:
@@ -87,20 +92,16 @@ class _Inbox:
         self.sources -= 1
         if self.sources <= 0:
             self.done = True
-        self._changed()
+        self.wake()
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
-        self._changed()
+        self.wake()
 
     def wake(self) -> None:
-        self._changed()
-
-    def _changed(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for fut in waiting:
-            if not fut.done():
-                fut.set_result(None)
+        """Have every waiter of :meth:`until` check its condition again."""
+        self._change.set()
+        self._change = asyncio.Event()
 
     async def until(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
         """Return once ``ready()`` (checked at every change) or after ``timeout`` s."""
@@ -110,24 +111,7 @@ class _Inbox:
             left = None if end is None else end - loop.time()
             if left is not None and left <= 0:
                 return
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiting.append(fut)
-            timer = None if left is None else loop.call_later(left, _resolve, fut)
-            try:
-                await fut
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                if not fut.done():
-                    fut.cancel()
-                if timer is not None or fut.cancelled():  # else _changed took it out
-                    with contextlib.suppress(ValueError):
-                        self._waiting.remove(fut)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+            await wait_event(self._change, left)
 
 
 @dataclass
