@@ -37,6 +37,7 @@ from qps.ps.status import (  # the shards' status, read by the status commands
     staleness_percentile,
 )
 from qps.queues import FIFOQueue
+from qps.registry import text_of
 from qps.transport import Client, map_errors
 from qps.varspec import MAX_COUNTER
 
@@ -74,10 +75,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 GLOBAL_STEP_SHARD = 0
 #: The most shards a job has (a sanity bound: a stored config over it is corrupt).
 MAX_SHARDS = 1 << 16
-
-
-def _text(x: Any) -> str:
-    return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -133,7 +130,7 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise varcheck.field_error(key, "optimizer", raw["optimizer"], f"a spec ({exc})") from exc
     if raw["sync"] is not None:
-        parts = _text(raw["sync"]).split("/")
+        parts = text_of(raw["sync"]).split("/")
         r, t = (int(x) if x.isdigit() else 0 for x in parts) if len(parts) == 2 else (0, 0)
         if not 1 <= r <= t:
             raise varcheck.field_error(key, "sync", raw["sync"], "'<replicas>/<total>'")
@@ -271,23 +268,6 @@ def _describe(opt: Optimizer | None) -> str:
 
 # -- placement --------------------------------------------------------------------------------
 
-# KEYS: placement, config. ARGV: num_shards, names... Places each name not placed yet on
-# shard (rr % n), rr counting every placement ever made (TF: creation order), and
-# returns the shard of every name.
-_PLACE_RR = """
-local out = {}
-for i = 2, #ARGV do
-  local s = redis.call('HGET', KEYS[1], ARGV[i])
-  if not s then
-    local rr = redis.call('HINCRBY', KEYS[2], 'rr', 1) - 1
-    s = tostring(rr % tonumber(ARGV[1]))
-    redis.call('HSET', KEYS[1], ARGV[i], s)
-  end
-  out[#out + 1] = s
-end
-return out
-"""
-
 
 async def read_placement(
     client: Client, container: str, num_shards: int | None = None
@@ -307,7 +287,7 @@ async def read_placement(
         raw = await client.commands.hgetall(key)
     out = {}
     for k, v in raw.items():
-        name = _text(k)
+        name = text_of(k)
         try:
             keys.check_name(name)
         except InvalidArgumentError:
@@ -347,11 +327,11 @@ async def place_variables(
     if strategy == "round_robin":
         names = list(placement.round_robin(variables, 1))
         if names:
-            script = client.commands.register_script(_PLACE_RR)
             with varcheck.naming(keys.ps_placement(container)):
-                await script(
-                    keys=[keys.ps_placement(container), keys.ps_config(container)],
-                    args=[cfg.num_shards, *names],
+                await client.run_script(
+                    "ps/place",
+                    [keys.ps_placement(container), keys.ps_config(container)],
+                    [cfg.num_shards, *names],
                 )
     elif strategy == "greedy_by_bytes":
         wanted = placement.greedy_by_bytes(variables, cfg.num_shards)

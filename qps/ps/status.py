@@ -19,6 +19,7 @@ from qps import keys, varcheck
 from qps.errors import DataLossError, QpsError
 from qps.ps.gradlist import PUSHED, TAKEN, gradient_list_key, list_bytes
 from qps.queues.inspect import list_queue_bytes, queue_stats
+from qps.registry import text_of
 from qps.transport import Client, map_errors
 
 __all__ = [
@@ -29,10 +30,6 @@ __all__ = [
     "stale_bucket",
     "staleness_percentile",
 ]
-
-
-def _text(x: Any) -> str:
-    return x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 #: Staleness values below this are counted exactly; larger ones by powers of two.
@@ -174,11 +171,11 @@ def check_lease(raw: Any, key: str, pttl: int = 0) -> tuple[int, str]:
         DataLossError: a value no shard writes, or a lease without a time to live (a
             shard always sets one: such a lease would never run out).
     """
-    tok, _, owner = _text(raw).partition(" ")
+    tok, _, owner = text_of(raw).partition(" ")
     if not (tok.isdigit() and owner):
         raise DataLossError(f"corrupt state: {key} holds {raw!r}, not a lease '<token> <owner>'")
     if pttl == -1:
-        raise DataLossError(f"corrupt state: {key} (lease {_text(raw)!r}) has no time to live")
+        raise DataLossError(f"corrupt state: {key} (lease {text_of(raw)!r}) has no time to live")
     return varcheck.count(tok, key, "token"), owner
 
 
@@ -192,7 +189,7 @@ def _stats(raw: Mapping[Any, Any], key: str) -> tuple[dict[str, str], dict[str, 
     Raises:
         DataLossError: a count or a histogram entry that is not an integer.
     """
-    f = {_text(k): _text(v) for k, v in raw.items()}
+    f = {text_of(k): text_of(v) for k, v in raw.items()}
     for name in (*_COUNTS, PUSHED, TAKEN, "heartbeat_ms"):
         if name in f:
             varcheck.count(f[name], key, name)
