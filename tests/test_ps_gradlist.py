@@ -16,7 +16,7 @@ from qps.optimizers import SGD
 from qps.ps import control
 from qps.ps.gradlist import TOMBSTONE, WAKE, GradientList, is_list_delivery
 from qps.ps.messages import decode_message
-from qps.ps.shard import _coalesced
+from qps.ps.settle import _coalesced
 from tests.conftest import cancel_all, until
 from tests.test_ps_shard import C, Job, job  # noqa: F401  (the fixture)
 

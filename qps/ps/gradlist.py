@@ -58,7 +58,8 @@ import numpy as np
 
 from qps import keys
 from qps.queues.base import Delivery
-from qps.transport import Client, is_noscript, map_errors
+from qps.registry import text_of
+from qps.transport import Client, map_errors
 
 __all__ = [
     "LIST_MAX_BYTES",
@@ -95,62 +96,11 @@ TOMBSTONE = b"\x00"
 #: a delivery of the list carries one token: this prefix and its sequence number
 _TAG = "glist:"
 
-# KEYS: the processing list, the shard's lease. ARGV: token, tombstone, how many to drop
-# from the front, then the indices to overwrite with the tombstone (before the drop).
-# Refused (0) unless the lease holds the token.
-#: Lua: ``holds(lease, token)``, whether the lease value (``"<token> <owner>"``) at key
-#: ``lease`` names ``token``; ``pop_front(proc, n)`` drops the first ``n`` elements of a
-#: processing list. Shared by the ack script and a synchronous shard's token script.
-POP_FRONT_LUA = """
-local function holds(lease, token)
-  local v = redis.call('GET', lease)
-  return v and string.match(v, '^(%d+) ') == token
-end
--- LTRIM, not LPOP: the popped messages would be copied into Lua strings (~1 us per KB)
-local function pop_front(proc, n)
-  if tonumber(n) > 0 then redis.call('LTRIM', proc, n, -1) end
-end
-"""
-_ACK = (
-    POP_FRONT_LUA
-    + """
-if not holds(KEYS[2], ARGV[1]) then return 0 end
-for i = 4, #ARGV do redis.call('LSET', KEYS[1], ARGV[i], ARGV[2]) end
-pop_front(KEYS[1], ARGV[3])
-return 1
-"""
-)
-
-# KEYS: a processing list, the list. Moves the processing list's elements (tombstones
-# dropped) to the front of the list, in order, and deletes it. Returns how many.
-_GIVE_BACK = """
-local vs = redis.call('LRANGE', KEYS[1], 0, -1)
-local n = 0
-for i = #vs, 1, -1 do
-  if vs[i] ~= ARGV[1] then
-    redis.call('LPUSH', KEYS[2], vs[i])
-    n = n + 1
-  end
-end
-redis.call('DEL', KEYS[1])
-return n
-"""
-
-
-# KEYS: the list. The bytes of its elements (for status commands: it reads them all).
-_BYTES = """
-local n = 0
-for _, v in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do n = n + #v end
-return n
-"""
-
 
 async def list_bytes(client: Client, container: str, shard: int) -> int:
     """The bytes of the messages waiting in shard ``shard``'s gradient list (one script
     that reads them all: for status commands, not hot paths)."""
-    with map_errors():
-        script = client.commands.register_script(_BYTES)
-        return int(await script(keys=[gradient_list_key(container, shard)]))
+    return int(await client.run_script("ps/list_bytes", [gradient_list_key(container, shard)], []))
 
 
 def stats_key(container: str, shard: int) -> str:
@@ -250,8 +200,6 @@ class GradientList:
         self.stats = stats_key(container, shard)
         self.procs = self.key + ":procs"
         self.proc: str | None = None  # this owner's processing list, once opened
-        self._give_back_script = client.commands.register_script(_GIVE_BACK)
-        self._ack_script = client.commands.register_script(_ACK)
         self._lease = ""  # the shard's lease key, and its token, once opened
         self._token = 0
         self._taken = 0  # elements moved into the processing list by this owner
@@ -290,8 +238,7 @@ class GradientList:
         others = sorted(await self._others(), key=_token_of, reverse=True)
         moved = 0
         for name in others:  # the newest first: each goes in front of the one before
-            with map_errors():
-                moved += int(await self._give_back_script(keys=[name, self.key], args=[TOMBSTONE]))
+            moved += await self._give_back(name)
         return moved
 
     async def held(self) -> int:
@@ -308,7 +255,7 @@ class GradientList:
     async def _others(self) -> list[str]:
         """The registered processing lists other than this owner's."""
         with map_errors():
-            names = [_text(n) for n in await self.client.commands.smembers(self.procs)]
+            names = [text_of(n) for n in await self.client.commands.smembers(self.procs)]
         return [n for n in names if n != self.proc]
 
     async def size(self) -> int:
@@ -439,34 +386,27 @@ class GradientList:
         while self._popped + front in self._acked:
             front += 1
         marks = [seq - self._popped for seq in late if seq >= self._popped + front]
-        commands: list[tuple[Any, ...]] = []
-        args: list[bytes | int] = [self._token, TOMBSTONE, front, *marks]
-        if front or marks:
-            sha = self._ack_script.sha
-            commands.append(("EVALSHA", sha, 2, self.proc, self._lease, *args))
-        if not commands and not after:
+        if not (front or marks) and not after:
             return True
         # the state moves before the round trip: a concurrent ack then counts from it,
         # and its commands follow these on the connection
         for seq in range(self._popped, self._popped + front):
             self._acked.discard(seq)
         self._popped += front
-        replies = await self.client.run_commands_replies([*commands, *after])
-        if not commands:
+        if not (front or marks):
+            await self.client.run_commands_replies(after)
             return True
-        reply = replies[0]
-        if isinstance(reply, BaseException) and is_noscript(reply):
-            with map_errors():
-                reply = await self._ack_script(keys=[self.proc, self._lease], args=args)
-        elif isinstance(reply, BaseException):
-            raise reply
+        args: list[Any] = [self._token, TOMBSTONE, front, *marks]
+        reply, _ = await self.client.run_script_then_commands(
+            "ps/list_ack", [self.proc, self._lease], args, after, once=True
+        )
         return bool(int(reply))
 
     def front_ack(self, ds: Sequence[Delivery]) -> tuple[list[str], list[Any]] | None:
         """The keys and arguments with which another script acknowledges ``ds`` (a
         synchronous shard's guarded token script, in its commit's round trip) when they
         are exactly the messages at the processing list's front: its lease check and a
-        trim of that many (as :data:`_ACK` does); None otherwise (use :meth:`ack`). The
+        trim of that many (as ``ps/list_ack`` does); None otherwise (use :meth:`ack`). The
         state does not move: call :meth:`acked_front` once that script ran."""
         assert self.proc is not None
         seqs = sorted(int(d.tokens[0][len(_TAG) :]) for d in ds)
@@ -485,12 +425,15 @@ class GradientList:
         order (the shard stops: what it held was not committed). Returns how many."""
         if self.proc is None:
             return 0
-        with map_errors():
-            n = int(await self._give_back_script(keys=[self.proc, self.key], args=[TOMBSTONE]))
+        n = await self._give_back(self.proc)
         self._popped = self._taken
         self._acked.clear()
         self.waiting = 0
         return n
+
+    async def _give_back(self, proc: str) -> int:
+        """Move processing list ``proc``'s messages to the list's front; how many."""
+        return int(await self.client.run_script("ps/list_give_back", [proc, self.key], [TOMBSTONE]))
 
     async def close(self) -> None:
         """Stop consuming: :meth:`give_back`, then forget the processing list."""
@@ -500,10 +443,6 @@ class GradientList:
         with map_errors():
             await self.client.commands.srem(self.procs, self.proc)
         self.proc = None
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 def _token_of(name: str) -> int:

@@ -1,6 +1,7 @@
 """A PS shard's read-ahead and group bookkeeping (qps.ps.shard): the deliveries taken
 ahead of the apply (:class:`_Item` in an :class:`_Inbox`, the memory stream between the
-readers and the applier), what a group of messages must commit per variable
+readers and the applier), a variable the shard owns (:class:`_Owned`), a message it must
+not apply (:class:`_Rejected`), what a group of messages must commit per variable
 (:class:`_Group`, :class:`_Pending`), a synchronous update's accumulated gradients
 (:class:`_Accum`), and helpers over deliveries. Nothing here talks to Redis."""
 
@@ -19,6 +20,7 @@ import numpy.typing as npt
 from qps.aio import wait_event
 from qps.ps.messages import GradientMessage, SparseGradient
 from qps.queues.base import Delivery
+from qps.variables import Variable
 
 
 @dataclass
@@ -112,6 +114,26 @@ class _Inbox:
             if left is not None and left <= 0:
                 return
             await wait_event(self._change, left)
+
+
+@dataclass
+class _Owned:
+    """A variable the shard writes, with its in-memory state (the truth while it owns it)."""
+
+    var: Variable
+    value: npt.NDArray[Any]
+    slots: dict[str, npt.NDArray[Any]]
+    version: int
+    t: int
+
+
+class _Rejected(Exception):
+    """A message that must not be applied: dead-letter it with this reason."""
+
+    def __init__(self, reason: str, variable: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.variable = variable
 
 
 @dataclass
