@@ -42,11 +42,12 @@ class _Inbox:
     memory stream between the readers (the producers: :meth:`put`, :meth:`finish`,
     :meth:`fail`) and the applier (the consumer: :meth:`take`, :meth:`drain`).
 
-    Each side waits for the other with :meth:`until`. Every change sets the current
-    change event and replaces it with a fresh one; a waiter checks its condition and
-    picks up the current event with no await in between, so a change after the check
-    sets the very event it waits on: no wake-up is lost, and none is left set for a
-    waiter that comes later (the bug of one shared event that each waiter cleared).
+    Each side waits for the other with :meth:`until`. A change sets the current change
+    event and replaces it with a fresh one (only if a waiter picked it up: most changes
+    find no one waiting and cost nothing); a waiter checks its condition and picks up
+    the current event with no await in between, so a change after the check sets the
+    very event it waits on: no wake-up is lost, and none is left set for a waiter that
+    comes later (the bug of one shared event that each waiter cleared).
     (An ``asyncio.Condition`` would need its lock held to notify: the producers here
     are plain calls, not coroutines.)"""
 
@@ -61,6 +62,7 @@ class _Inbox:
         self.error: BaseException | None = None
         self._max_items, self._max_bytes = max_items, max_bytes
         self._change = asyncio.Event()
+        self._watched = False  # a waiter picked up _change since it was last replaced
 
     def full(self) -> bool:
         return len(self.items) >= self._max_items or self.nbytes >= self._max_bytes
@@ -102,8 +104,10 @@ class _Inbox:
 
     def wake(self) -> None:
         """Have every waiter of :meth:`until` check its condition again."""
-        self._change.set()
-        self._change = asyncio.Event()
+        if self._watched:  # else no one waits: nothing to set, nothing to replace
+            self._watched = False
+            self._change.set()
+            self._change = asyncio.Event()
 
     async def until(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
         """Return once ``ready()`` (checked at every change) or after ``timeout`` s."""
@@ -113,7 +117,11 @@ class _Inbox:
             left = None if end is None else end - loop.time()
             if left is not None and left <= 0:
                 return
-            await wait_event(self._change, left)
+            self._watched = True
+            if left is None:
+                await self._change.wait()
+            else:
+                await wait_event(self._change, left)
 
 
 @dataclass
