@@ -38,14 +38,8 @@ from qps.errors import (
 )
 from qps.queues import queue_stats
 from tests.conftest import until
-from workers.feeder import (
-    Dataset,
-    FeedOptions,
-    counter_names,
-    feed,
-    load_dataset,
-    load_digits,
-)
+from workers.data import Dataset, load_dataset, load_digits
+from workers.feeder import FeedOptions, counter_names, feed
 from workers.input import Coordinator, batch
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -100,8 +94,8 @@ def test_load_errors(tmp_path: Path) -> None:
 
 def test_digits() -> None:
     pytest.importorskip("sklearn")
-    train = load_digits("train")
-    test = load_digits("test")
+    train = load_dataset(dataset="digits", split="train")
+    test = load_dataset(dataset="digits", split="test")
     assert len(train) + len(test) == 1797 and len(test) == 360
     x, y = train.arrays
     assert x.dtype == np.float32 and x.shape[1:] == (64,) and y.dtype == np.int64

@@ -32,7 +32,8 @@ from qps.ps import control
 from qps.ps.messages import SparseGradient
 from qps.ps.shard import Shard, ShardOptions
 from tests.conftest import ClientFactory, until
-from workers.feeder import FeedOptions, feed, load_digits
+from workers.data import load_dataset
+from workers.feeder import FeedOptions, feed
 from workers.launcher import TrainConfig
 from workers.models import Rows
 from workers.worker import Worker, WorkerConfig
@@ -203,7 +204,7 @@ async def test_roles_serve_their_metrics_during_training(
     # every role shares this event loop: a lease long enough for a loaded machine's stalls
     shard = Shard(await make_client(), ShardOptions(0, 1, container=c, lease_ms=5000), m_ps)
     shard_task = asyncio.create_task(shard.run())
-    data = load_digits()
+    data = load_dataset(dataset="digits")
     options = FeedOptions(queue="input", container=c, batch_size=100, capacity=300, seed=0)
     feed_task = asyncio.create_task(feed(await make_client(), data, options, metrics=m_feed))
     labels = {"container": c, "queue": "input"}
@@ -319,9 +320,11 @@ def test_qps_feed_reads_qps_metrics_port(redis_url: str, monkeypatch: pytest.Mon
         assert r.exit_code == 0, r.output
         assert m.serving and "metrics served at http://127.0.0.1:" in r.output
         got = scrape(m.url)
-        assert total(got, "qps_feed_examples_total") == len(load_digits())
+        assert total(got, "qps_feed_examples_total") == len(load_dataset(dataset="digits"))
         assert total(got, "qps_feed_epochs_total") == 1
-        assert total(got, "qps_queue_depth") == len(load_digits())  # nobody consumed
+        assert total(got, "qps_queue_depth") == len(
+            load_dataset(dataset="digits")
+        )  # nobody consumed
     finally:
         m.close()
 

@@ -1,10 +1,14 @@
-"""Data for the workers: the benchmark data sets, a synthetic CTR set, files, minibatches.
+"""Data for the workers and the feeder: built-in data sets, files, minibatches.
 
-* :func:`load_digits` — W4/W6's digits split, exactly as ``WORKLOADS.md`` defines it.
-* :func:`teacher_data` — W5's random-teacher data set, drawn in W5's order.
+* :func:`load_digits` — scikit-learn's 8×8 digits, split 1,437 train / 360 test by
+  ``train_test_split(test_size=0.2, random_state=0)`` and standardized on the train part.
+* :func:`teacher_data` — a random-teacher data set (Gaussian features, labels the argmax
+  of a random linear map), drawn in a fixed order from seed 0.
 * :func:`synthetic_ctr` — seeded click data for :class:`~workers.models.EmbeddingBagMLP`
   (skewed ids, so a batch repeats rows as real CTR data does).
 * :func:`load_xy` — ``(x, y)`` from ``.npz`` / ``.npy`` files (never pickles).
+* :class:`Dataset` and :func:`load_dataset` — what ``qps feed`` enqueues: equally long
+  arrays, one per component, from files or a built-in name.
 * :func:`minibatches` — W4's minibatch order: a fresh permutation each epoch, consecutive
   chunks, the last partial chunk dropped; :func:`take` slices a batch tuple.
 
@@ -17,16 +21,23 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from qps.errors import InvalidArgumentError
+from qps.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from qps.queues.spec import format_shape
 
 __all__ = [
+    "DATASETS",
     "Dataset",
+    "Split",
+    "load_dataset",
     "load_digits",
+    "load_npy",
+    "load_npz",
     "load_xy",
     "minibatches",
     "synthetic_ctr",
@@ -38,7 +49,7 @@ F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 
 
-class Dataset(NamedTuple):
+class Split(NamedTuple):
     """A train/test split of features and int64 labels."""
 
     x_train: F32
@@ -47,18 +58,28 @@ class Dataset(NamedTuple):
     y_test: I64
 
 
-def load_digits() -> Dataset:
+def load_digits() -> Split:
     """W4's data: ``sklearn.datasets.load_digits(return_X_y=True)``, split by
     ``train_test_split(test_size=0.2, random_state=0)`` (1,437 train / 360 test), a
     ``StandardScaler`` fit on the train part and applied to both; float32 features,
-    int64 labels."""
-    datasets = importlib.import_module("sklearn.datasets")
-    selection = importlib.import_module("sklearn.model_selection")
-    preprocessing = importlib.import_module("sklearn.preprocessing")
+    int64 labels.
+
+    Raises:
+        FailedPreconditionError: scikit-learn is not installed.
+    """
+    try:  # imported by name: scikit-learn is optional and ships no type hints
+        datasets = importlib.import_module("sklearn.datasets")
+        selection = importlib.import_module("sklearn.model_selection")
+        preprocessing = importlib.import_module("sklearn.preprocessing")
+    except ImportError as exc:
+        raise FailedPreconditionError(
+            "the digits dataset needs scikit-learn, which is not installed: "
+            "pip install scikit-learn"
+        ) from exc
     x, y = datasets.load_digits(return_X_y=True)
     x_tr, x_te, y_tr, y_te = selection.train_test_split(x, y, test_size=0.2, random_state=0)
     scaler = preprocessing.StandardScaler().fit(x_tr)
-    return Dataset(
+    return Split(
         np.ascontiguousarray(scaler.transform(x_tr), dtype=np.float32),
         np.asarray(y_tr, dtype=np.int64),
         np.ascontiguousarray(scaler.transform(x_te), dtype=np.float32),
@@ -68,7 +89,7 @@ def load_digits() -> Dataset:
 
 def teacher_data(
     n_train: int = 60_000, n_test: int = 10_000, features: int = 784, classes: int = 10
-) -> Dataset:
+) -> Split:
     """W5's data: ``rng = default_rng(0)``; in this order ``X = rng.standard_normal((60000,
     784), float32)``, teacher ``T = rng.standard_normal((784, 10), float32)``, ``Xte =
     rng.standard_normal((10000, 784), float32)``; labels ``argmax(X @ T)``. Smaller sizes
@@ -77,7 +98,7 @@ def teacher_data(
     x = rng.standard_normal((n_train, features), dtype=np.float32)
     t = rng.standard_normal((features, classes), dtype=np.float32)
     x_te = rng.standard_normal((n_test, features), dtype=np.float32)
-    return Dataset(
+    return Split(
         x,
         np.argmax(x @ t, axis=1).astype(np.int64),
         x_te,
@@ -150,14 +171,14 @@ def load_xy(
 
     Raises:
         InvalidArgumentError: another kind of file, names that do not say which array
-            is which, or x and y of different lengths.
-        OSError: the file cannot be read.
+            is which, x and y of different lengths, or a file that cannot be read.
+        NotFoundError: no such file.
     """
     p = os.fspath(path)
     if p.endswith(".npz"):
         if y_path is not None:
             raise InvalidArgumentError(f"{p}: an .npz holds both arrays; give no y_path")
-        with np.load(p, allow_pickle=False) as z:
+        with _load(p) as z:
             names = list(z.files)
             xn = next((n for n in ("x", "X") if n in names), None)
             yn = next((n for n in ("y", "Y") if n in names), None)
@@ -171,8 +192,7 @@ def load_xy(
     elif p.endswith(".npy"):
         if y_path is None:
             raise InvalidArgumentError(f"{p}: an .npy holds one array; give y_path too")
-        x = np.load(p, allow_pickle=False)
-        y = np.load(os.fspath(y_path), allow_pickle=False)
+        x, y = _load(p), _load(os.fspath(y_path))
     else:
         raise InvalidArgumentError(f"{p}: expected a .npz or .npy file")
     if x.ndim < 1 or y.ndim < 1 or x.shape[0] != y.shape[0]:
@@ -180,6 +200,138 @@ def load_xy(
             f"{p}: x {list(x.shape)} and y {list(y.shape)} do not have the same length"
         )
     return x, y
+
+
+def _load(path: str) -> Any:
+    try:
+        return np.load(path, allow_pickle=False)  # never unpickle what a file holds
+    except FileNotFoundError:
+        raise NotFoundError(f"no such file: {path}") from None
+    except (ValueError, OSError) as exc:
+        raise InvalidArgumentError(f"cannot read {path}: {exc}") from exc
+
+
+# -- what a feeder enqueues --------------------------------------------------------------
+
+#: The built-in datasets of ``qps feed --dataset``.
+DATASETS = ("digits",)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Equally long arrays, one per component, and where they came from."""
+
+    arrays: list[np.ndarray]
+    source: str
+
+    def __len__(self) -> int:
+        return int(self.arrays[0].shape[0])
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{a.dtype}{format_shape(a.shape[1:])}" for a in self.arrays)
+        return f"{self.source}: {len(self)} examples of ({parts})"
+
+
+def _check(arrays: list[np.ndarray], source: str) -> Dataset:
+    if not arrays:
+        raise InvalidArgumentError(f"{source}: no arrays")
+    for a in arrays:
+        if a.ndim == 0:
+            raise InvalidArgumentError(f"{source}: a scalar is not a dataset (need dim 0)")
+        if a.dtype.kind == "O":
+            raise InvalidArgumentError(f"{source}: object arrays are not supported")
+    n = arrays[0].shape[0]
+    if any(a.shape[0] != n for a in arrays):
+        lens = ", ".join(str(a.shape[0]) for a in arrays)
+        raise InvalidArgumentError(f"{source}: the arrays have different lengths ({lens})")
+    if n == 0:
+        raise InvalidArgumentError(f"{source}: the dataset is empty")
+    return Dataset([np.ascontiguousarray(a) for a in arrays], source)
+
+
+def load_npz(path: str, x_key: str = "x", y_key: str | None = "y") -> Dataset:
+    """The arrays ``x_key`` and ``y_key`` (None: features only) of an ``.npz`` file.
+
+    Raises:
+        NotFoundError: no such file.
+        InvalidArgumentError: unreadable, a missing key (the message lists the keys),
+            object arrays, or arrays of different lengths.
+    """
+    with _load(path) as npz:
+        names = list(npz.files)
+        wanted = [x_key] if y_key is None else [x_key, y_key]
+        missing = [k for k in wanted if k not in names]
+        if missing:
+            raise InvalidArgumentError(
+                f"{path} has no array {missing[0]!r} (it has: {', '.join(names) or 'none'}); "
+                "choose with --x-key/--y-key"
+            )
+        try:
+            arrays = [np.asarray(npz[k]) for k in wanted]
+        except ValueError as exc:  # an object array would need pickle
+            raise InvalidArgumentError(f"cannot read {path}: {exc}") from exc
+    return _check(arrays, path)
+
+
+def load_npy(paths: Sequence[str]) -> Dataset:
+    """One ``.npy`` file per component: features, then labels.
+
+    Raises:
+        NotFoundError, InvalidArgumentError: as :func:`load_npz`.
+    """
+    arrays = []
+    for p in paths:
+        a = _load(p)
+        if not isinstance(a, np.ndarray):
+            raise InvalidArgumentError(f"{p} is not a .npy array file")
+        arrays.append(a)
+    return _check(arrays, " + ".join(paths))
+
+
+def load_dataset(
+    data: Sequence[str] = (),
+    dataset: str | None = None,
+    *,
+    x_key: str = "x",
+    y_key: str | None = "y",
+    split: str = "train",
+) -> Dataset:
+    """The dataset named by ``qps feed``'s options: ``data`` is one ``.npz`` file, or one
+    or two ``.npy`` files (features, then labels); ``dataset`` a built-in name, of which
+    ``split`` (``train`` or ``test``) is taken.
+
+    Raises:
+        InvalidArgumentError: neither or both given, too many files, an unknown name,
+            split or file type.
+        NotFoundError: a file does not exist.
+        FailedPreconditionError: the digits without scikit-learn.
+    """
+    if bool(data) == bool(dataset):
+        raise InvalidArgumentError("give --data PATH (an .npz, or .npy files) or --dataset NAME")
+    if dataset is not None:
+        if dataset != "digits":
+            raise InvalidArgumentError(
+                f"unknown dataset {dataset!r}; built in: {', '.join(DATASETS)}"
+            )
+        if split not in ("train", "test"):
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}")
+        d = load_digits()
+        arrays: list[np.ndarray] = (
+            [d.x_train, d.y_train] if split == "train" else [d.x_test, d.y_test]
+        )
+        return _check(arrays, f"digits ({split})")
+    exts = {os.path.splitext(p)[1].lower() for p in data}
+    if exts == {".npz"}:
+        if len(data) != 1:
+            raise InvalidArgumentError("give one .npz file")
+        return load_npz(data[0], x_key, y_key)
+    if exts == {".npy"}:
+        if len(data) > 2:
+            raise InvalidArgumentError("give at most two .npy files: features, then labels")
+        return load_npy(data)
+    raise InvalidArgumentError(
+        f"--data takes one .npz file or one or two .npy files, got {', '.join(data)}"
+    )
 
 
 def minibatches(

@@ -2,12 +2,13 @@
 once per epoch, then close the queue.
 
 A dataset is a list of equally long arrays, one per component (features ``x`` and,
-usually, labels ``y``); example ``i`` is ``[x[i], y[i]]``. :func:`load_dataset` reads
-one from an ``.npz`` file, from ``.npy`` files, or builds the scikit-learn digits
-example; :func:`feed` enqueues it. Each epoch enqueues every example exactly once, in a
-fresh random permutation with ``shuffle`` (seeded by ``seed``), as chunks of
-``batch_size`` examples (``enqueue_many``). After the last epoch the queue is closed, so
-consumers drain it and then get ``OutOfRangeError`` (TF's end of input).
+usually, labels ``y``); example ``i`` is ``[x[i], y[i]]``.
+:func:`workers.data.load_dataset` reads one from an ``.npz`` file, from ``.npy``
+files, or builds the scikit-learn digits example; :func:`feed` enqueues it. Each epoch
+enqueues every example exactly once, in a fresh random permutation with ``shuffle``
+(seeded by ``seed``), as chunks of ``batch_size`` examples (``enqueue_many``). After
+the last epoch the queue is closed, so consumers drain it and then get
+``OutOfRangeError`` (TF's end of input).
 
 Progress is logged on the ``qps.feed`` logger and counted in two counters of the
 container (:class:`qps.Counter`), readable by any process or with ``qps container
@@ -22,7 +23,7 @@ prefix it had stored, which the counter then misses) and open, unless
 ``close_on_stop``.
 
 A feed survives its feeder. One feeder at a time runs the feed into a queue: it holds a
-lease (``FEED_LEASE_MS``, renewed in the background and before each chunk); another
+lease (:mod:`workers.feedlease`, renewed in the background and before each chunk); another
 feeder waits for it, blocked in Redis, or takes it over at once from a dead process of
 this host. The feed's state in Redis records a digest of the data, the options, the seed
 (drawn when none is given) and the queue's count of inserted elements when the feed
@@ -38,204 +39,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import importlib
 import logging
-import os
 import secrets
-from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from qps import keys
 from qps import metrics as _metrics
 from qps.containers import Counter
-from qps.errors import (
-    AbortedError,
-    CancelledError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    QpsError,
-)
-from qps.owners import default_owner, owner_is_dead
+from qps.errors import CancelledError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from qps.owners import default_owner
 from qps.queues import FIFOQueue, QueueBase, RandomShuffleQueue
 from qps.queues.spec import format_shape
 from qps.session import Session
-from qps.transport import BLOCK_SECONDS, Client, map_errors
+from qps.transport import Client, map_errors
+from workers.data import DATASETS, Dataset, load_dataset
+from workers.feedlease import FeedLease, until_stop
 from workers.input import Coordinator
 
 __all__ = [
-    "DATASETS",
-    "Dataset",
+    "DATASETS",  # the loading is workers.data's; qps feed takes it from here
     "FeedOptions",
     "FeedResult",
     "counter_names",
     "feed",
     "load_dataset",
-    "load_digits",
-    "load_npy",
-    "load_npz",
 ]
 
 log = logging.getLogger("qps.feed")
-
-T = TypeVar("T")
-
-#: The built-in datasets of ``--dataset``.
-DATASETS = ("digits",)
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """Equally long arrays, one per component, and where they came from."""
-
-    arrays: list[np.ndarray]
-    source: str
-
-    def __len__(self) -> int:
-        return int(self.arrays[0].shape[0])
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{a.dtype}{format_shape(a.shape[1:])}" for a in self.arrays)
-        return f"{self.source}: {len(self)} examples of ({parts})"
-
-
-def _check(arrays: list[np.ndarray], source: str) -> Dataset:
-    if not arrays:
-        raise InvalidArgumentError(f"{source}: no arrays")
-    for a in arrays:
-        if a.ndim == 0:
-            raise InvalidArgumentError(f"{source}: a scalar is not a dataset (need dim 0)")
-        if a.dtype.kind == "O":
-            raise InvalidArgumentError(f"{source}: object arrays are not supported")
-    n = arrays[0].shape[0]
-    if any(a.shape[0] != n for a in arrays):
-        lens = ", ".join(str(a.shape[0]) for a in arrays)
-        raise InvalidArgumentError(f"{source}: the arrays have different lengths ({lens})")
-    if n == 0:
-        raise InvalidArgumentError(f"{source}: the dataset is empty")
-    return Dataset([np.ascontiguousarray(a) for a in arrays], source)
-
-
-def _load(path: str) -> Any:
-    try:
-        return np.load(path, allow_pickle=False)  # never unpickle what a file holds
-    except FileNotFoundError:
-        raise NotFoundError(f"no such file: {path}") from None
-    except (ValueError, OSError) as exc:
-        raise InvalidArgumentError(f"cannot read {path}: {exc}") from exc
-
-
-def load_npz(path: str, x_key: str = "x", y_key: str | None = "y") -> Dataset:
-    """The arrays ``x_key`` and ``y_key`` (None: features only) of an ``.npz`` file.
-
-    Raises:
-        NotFoundError: no such file.
-        InvalidArgumentError: unreadable, a missing key (the message lists the keys),
-            object arrays, or arrays of different lengths.
-    """
-    with _load(path) as npz:
-        names = list(npz.files)
-        wanted = [x_key] if y_key is None else [x_key, y_key]
-        missing = [k for k in wanted if k not in names]
-        if missing:
-            raise InvalidArgumentError(
-                f"{path} has no array {missing[0]!r} (it has: {', '.join(names) or 'none'}); "
-                "choose with --x-key/--y-key"
-            )
-        try:
-            arrays = [np.asarray(npz[k]) for k in wanted]
-        except ValueError as exc:  # an object array would need pickle
-            raise InvalidArgumentError(f"cannot read {path}: {exc}") from exc
-    return _check(arrays, path)
-
-
-def load_npy(paths: Sequence[str]) -> Dataset:
-    """One ``.npy`` file per component: features, then labels.
-
-    Raises:
-        NotFoundError, InvalidArgumentError: as :func:`load_npz`.
-    """
-    arrays = []
-    for p in paths:
-        a = _load(p)
-        if not isinstance(a, np.ndarray):
-            raise InvalidArgumentError(f"{p} is not a .npy array file")
-        arrays.append(a)
-    return _check(arrays, " + ".join(paths))
-
-
-def load_digits(split: str = "train") -> Dataset:
-    """scikit-learn's 8×8 digits: ``train_test_split(test_size=0.2, random_state=0)``,
-    features standardized with a StandardScaler fitted on the training part; x float32
-    ``[n, 64]``, y int64 ``[n]``.
-
-    Raises:
-        InvalidArgumentError: ``split`` is not ``train`` or ``test``.
-        FailedPreconditionError: scikit-learn is not installed.
-    """
-    if split not in ("train", "test"):
-        raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}")
-    try:  # imported by name: scikit-learn is optional and ships no type hints
-        datasets = importlib.import_module("sklearn.datasets")
-        model_selection = importlib.import_module("sklearn.model_selection")
-        preprocessing = importlib.import_module("sklearn.preprocessing")
-    except ImportError as exc:
-        raise FailedPreconditionError(
-            "the digits dataset needs scikit-learn, which is not installed: "
-            "pip install scikit-learn"
-        ) from exc
-    x, y = datasets.load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = model_selection.train_test_split(
-        x, y, test_size=0.2, random_state=0
-    )
-    scaler = preprocessing.StandardScaler().fit(x_train)
-    xs, ys = (x_train, y_train) if split == "train" else (x_test, y_test)
-    arrays = [scaler.transform(xs).astype(np.float32), np.asarray(ys).astype(np.int64)]
-    return _check(arrays, f"digits ({split})")
-
-
-def load_dataset(
-    data: Sequence[str] = (),
-    dataset: str | None = None,
-    *,
-    x_key: str = "x",
-    y_key: str | None = "y",
-    split: str = "train",
-) -> Dataset:
-    """The dataset named by ``qps feed``'s options: ``data`` is one ``.npz`` file, or one
-    or two ``.npy`` files (features, then labels); ``dataset`` a built-in name.
-
-    Raises:
-        InvalidArgumentError: neither or both given, too many files, an unknown name
-            or file type.
-        NotFoundError: a file does not exist.
-    """
-    if bool(data) == bool(dataset):
-        raise InvalidArgumentError("give --data PATH (an .npz, or .npy files) or --dataset NAME")
-    if dataset is not None:
-        if dataset != "digits":
-            raise InvalidArgumentError(
-                f"unknown dataset {dataset!r}; built in: {', '.join(DATASETS)}"
-            )
-        return load_digits(split)
-    exts = {os.path.splitext(p)[1].lower() for p in data}
-    if exts == {".npz"}:
-        if len(data) != 1:
-            raise InvalidArgumentError("give one .npz file")
-        return load_npz(data[0], x_key, y_key)
-    if exts == {".npy"}:
-        if len(data) > 2:
-            raise InvalidArgumentError("give at most two .npy files: features, then labels")
-        return load_npy(data)
-    raise InvalidArgumentError(
-        f"--data takes one .npz file or one or two .npy files, got {', '.join(data)}"
-    )
-
-
-# -- feeding ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -367,59 +200,6 @@ async def _open_queue(client: Client, data: Dataset, options: FeedOptions) -> Qu
     return q
 
 
-async def _until_stop(aw: Awaitable[T], coord: Coordinator) -> tuple[bool, T | None]:
-    """Await ``aw`` unless a stop is requested first; then cancel it. Returns
-    ``(finished, result)``."""
-    task = asyncio.ensure_future(aw)
-    stopper = asyncio.ensure_future(coord.wait_for_stop())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        stopper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopper
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False, None
-
-
-#: How long a feeder's lease on its feed lasts unless renewed (a third of it).
-FEED_LEASE_MS = 10_000
-
-#: The feed lease: KEYS owner, wake; ARGV op, owner, ms[, held]. 'take' takes a free
-#: lease (or renews our own), 'takeover' takes it from ``held`` (a dead process), 'renew'
-#: renews ours, 'release' drops ours and wakes a standby. A refused op returns
-#: {'held', owner, pttl} ('lost' for 'renew').
-_LEASE = """
-local cur = redis.call('GET', KEYS[1])
-local op = ARGV[1]
-if op == 'take' or op == 'takeover' then
-  if (not cur) or cur == ARGV[2] or (op == 'takeover' and cur == ARGV[4]) then
-    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-    return {'ok'}
-  end
-  return {'held', cur, redis.call('PTTL', KEYS[1])}
-elseif op == 'renew' then
-  if cur ~= ARGV[2] then return {'lost', cur or ''} end
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {'ok'}
-end
-if cur == ARGV[2] then
-  redis.call('DEL', KEYS[1])
-  redis.call('DEL', KEYS[2])
-  redis.call('RPUSH', KEYS[2], '1')
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-return {'ok'}
-"""
-
-
 def fingerprint(data: Dataset) -> str:
     """A short digest of a dataset: its length, its components' dtypes and shapes, and
     the bytes of up to its first 16 MiB per component. A resumed feed must be fed the
@@ -434,79 +214,6 @@ def fingerprint(data: Dataset) -> str:
 
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-class _Lease:
-    """The feeder's lease on the feed into one queue: one feeder at a time feeds it."""
-
-    def __init__(self, client: Client, container: str, queue: str, owner: str) -> None:
-        prefix = keys.feed_prefix(container, queue)
-        self.keys = [prefix + "owner", prefix + "wake"]
-        self.client, self.owner, self.queue = client, owner, queue
-        self.script = client.commands.register_script(_LEASE)
-        self.lost: str | None = None  # who took it from us
-
-    async def _call(self, *args: Any) -> list[Any]:
-        with map_errors():
-            return list(await self.script(keys=self.keys, args=list(args)))
-
-    async def acquire(self, coord: Coordinator) -> bool:
-        """Take the lease, taking it over at once from a dead process of this host,
-        else waiting (blocked in Redis) until it is released or runs out; False if a stop
-        is requested first."""
-        announced = False
-        while not coord.should_stop():
-            reply = await self._call("take", self.owner, FEED_LEASE_MS)
-            if reply[0] == b"ok":
-                return True
-            held, pttl = _text(reply[1]), int(reply[2])
-            if owner_is_dead(held):
-                reply = await self._call("takeover", self.owner, FEED_LEASE_MS, held)
-                if reply[0] == b"ok":
-                    log.info(
-                        "took over the feed into '%s' from %s, a dead process", self.queue, held
-                    )
-                    return True
-                continue
-            if not announced:
-                log.info(
-                    "the feed into '%s' is run by %s: waiting until it ends or its lease "
-                    "(%d ms left) runs out",
-                    self.queue,
-                    held,
-                    pttl,
-                )
-                announced = True
-            wait = min(max(pttl, 10) / 1000.0, BLOCK_SECONDS)
-            await _until_stop(self.client.blocking.blpop([self.keys[1]], wait), coord)
-        return False
-
-    async def check(self) -> None:
-        """Renew the lease; raises AbortedError if another feeder took it."""
-        if self.lost is None:
-            reply = await self._call("renew", self.owner, FEED_LEASE_MS)
-            if reply[0] != b"ok":
-                self.lost = _text(reply[1]) or "nobody (it ran out)"
-        if self.lost is not None:
-            raise AbortedError(
-                f"the feed into '{self.queue}' was taken over by {self.lost} while this "
-                "feeder stalled: stopping (the new feeder goes on where it is)"
-            )
-
-    async def renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(FEED_LEASE_MS / 3000.0)
-            try:
-                await self.check()
-            except AbortedError as exc:
-                log.error("%s", exc)
-                return
-            except QpsError as exc:
-                log.warning("could not renew the feed lease: %s", exc)
-
-    async def release(self) -> None:
-        with contextlib.suppress(QpsError):
-            await self._call("release", self.owner, FEED_LEASE_MS)
 
 
 @dataclass
@@ -638,7 +345,7 @@ async def feed(
         kind=queue.spec.class_name,
         counters={"examples": ex_name, "epochs": ep_name},
     )
-    lease = _Lease(client, options.container, options.queue, default_owner())
+    lease = FeedLease(client, options.container, options.queue, default_owner())
     if not await lease.acquire(coord):
         result.stopped = True
         return result
@@ -670,7 +377,7 @@ async def _feed(
     options: FeedOptions,
     coord: Coordinator,
     plan: _Plan,
-    lease: _Lease,
+    lease: FeedLease,
     result: FeedResult,
     counters: tuple[Counter, Counter],
     m: Any,
@@ -706,7 +413,7 @@ async def _feed(
             else:
                 idx = order[start:stop]
                 chunk = [a[idx] for a in data.arrays]
-            done, _ = await _until_stop(queue.enqueue_many(chunk), coord)
+            done, _ = await until_stop(queue.enqueue_many(chunk), coord)
             if not done:
                 log.warning(
                     "stopped during an enqueue of %d example(s): a prefix of them may "
@@ -746,7 +453,7 @@ async def _feed(
         )
         return
     try:
-        done, _ = await _until_stop(queue.close(), coord)
+        done, _ = await until_stop(queue.close(), coord)
     except CancelledError:  # someone closed it after our last enqueue
         log.warning("queue '%s' was already closed", queue.name)
         done = True

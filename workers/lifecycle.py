@@ -44,7 +44,7 @@ from qps.containers import reset, scan_container_keys
 from qps.errors import FailedPreconditionError, NotFoundError
 from qps.ps import control
 from qps.stopping import Stopped, Stopper
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from workers import job
 
 __all__ = [
@@ -73,24 +73,6 @@ UNDO_SECONDS = 1.0
 
 #: the names the chief gives its checkpoints (``<dir>/model-<step>``)
 CHECKPOINT_NAME = re.compile(r"model-\d+")
-
-# set the lease to ARGV[1] for ARGV[2] ms if it is free or holds ARGV[3] (a holder
-# found gone, or ours): {1, ARGV[1]}; else {0, the holder}
-_ACQUIRE = """
-local cur = redis.call('GET', KEYS[1])
-if (not cur) or (ARGV[3] ~= '' and cur == ARGV[3]) then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, ARGV[1]}
-end
-return {0, cur}
-"""
-# renew (ARGV[2] ms) or delete (ARGV[2] = '') the lease if it still holds ARGV[1]
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else
-  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 1
-"""
 
 
 def lease_key(container: str) -> str:
@@ -132,9 +114,9 @@ class LauncherLease:
         self.lost: str | None = None  # why the lease was lost while held
 
     async def _acquire(self, expected: str) -> tuple[bool, str]:
-        script = self.client.commands.register_script(_ACQUIRE)
-        with map_errors():
-            ok, holder = await script(keys=[self.key], args=[self.value, LEASE_MS, expected])
+        ok, holder = await self.client.run_script(
+            "workers/launcher_acquire", [self.key], [self.value, LEASE_MS, expected]
+        )
         return bool(int(ok)), _text(holder)
 
     async def acquire(self) -> str | None:
@@ -181,9 +163,10 @@ class LauncherLease:
             )
 
     async def _renew(self, ttl: str) -> bool:
-        script = self.client.commands.register_script(_RENEW)
-        with map_errors():
-            return bool(int(await script(keys=[self.key], args=[self.value, ttl])))
+        reply = await self.client.run_script(
+            "workers/launcher_renew", [self.key], [self.value, ttl]
+        )
+        return bool(int(reply))
 
     def start_renewing(self) -> None:
         """Renew the lease every :data:`RENEW_SECONDS` until :meth:`release`."""
