@@ -23,7 +23,7 @@ from workers.data import BUILTIN, builtin_split, load_xy, minibatches, take
 from workers.models import Model
 
 if TYPE_CHECKING:
-    from workers.worker import WorkerConfig
+    from workers.workerconfig import WorkerConfig
 
 __all__ = ["Input"]
 

@@ -14,7 +14,7 @@ from qps.optimizers import make_optimizer
 from workers.data import BUILTIN
 from workers.models import build_model
 from workers.models.base import Model
-from workers.worker import WorkerConfig
+from workers.workerconfig import WorkerConfig
 
 __all__ = ["BUILTIN_TRAIN_SIZES", "TrainConfig", "check_data", "check_model"]
 

@@ -14,10 +14,11 @@ involved), compute the loss and gradients, push one gradient message per PS shar
   ``default_rng(seed + k)``); ``data="queue:NAME"``: batches are dequeued from a shared
   queue (fed by ``qps feed``) until it is closed and empty.
 * **Overlap**: while step ``t`` computes, the batch of step ``t + 1`` is fetched; the
-  push of ``t`` and the pull for ``t + 1`` travel together. The math runs on a thread
-  (NumPy releases the GIL) for models above :data:`INLINE_PARAMS` parameters, so the
-  event loop stays free; a tiny model computes inline, where a thread hop would cost
-  more than the math.
+  push of ``t`` and the pull for ``t + 1`` travel together, as the job's step strategy
+  (:mod:`workers.steps`: synchronous, sparse, inline or overlapped) has them. The math
+  runs on a thread (NumPy releases the GIL) for models above :data:`INLINE_PARAMS`
+  parameters, so the event loop stays free; a tiny model computes inline, where a
+  thread hop would cost more than the math.
 * **Backend** (``backend``, ``$QPS_BACKEND``): ``auto`` computes with CuPy where a CUDA
   device exists and the model has more than :data:`INLINE_PARAMS` dense parameters,
   else with NumPy; ``cupy`` and ``numpy`` force one. On the device each pulled
@@ -45,14 +46,12 @@ examples/s, staleness, and the chief's test accuracy at each log point).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import os
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,6 @@ from qps import backend, checkpoint, curves, packing
 from qps import metrics as _metrics
 from qps.errors import (
     CancelledError,
-    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -72,14 +70,12 @@ from qps.errors import (
 from qps.ps import control
 from qps.ps.messages import GRAD_DTYPES
 from qps.stopping import Stopped, Stopper
-from qps.variables import ReadPlan, VariableValue
 from workers import job, lifecycle
 from workers.batches import Input
 from workers.data import BUILTIN, auc, builtin_split, load_xy
 from workers.models import (
     Model,
     Packed,
-    Rows,
     auto_packed,
     build_model,
     grads_to_host,
@@ -87,6 +83,8 @@ from workers.models import (
     packed_inner,
     params_to,
 )
+from workers.steps import steps_for
+from workers.workerconfig import WorkerConfig, WorkerResult
 
 __all__ = ["GRAD_DTYPES", "INLINE_PARAMS", "WorkerConfig", "WorkerResult", "run_worker"]
 
@@ -123,122 +121,6 @@ async def evaluate_params(
         scores = model.logits(params, test)
         return "auc", auc(np.asarray(scores)[:, 0], test[-1])
     return "accuracy", float(model.accuracy(params, test))
-
-
-@dataclass
-class WorkerConfig:
-    """What ``qps worker`` takes (see its ``--help``)."""
-
-    index: int  # -1: claim one (--index auto)
-    num_workers: int
-    num_shards: int | None = None
-    model: str = "mlp:64,128,10"
-    data: str = "digits"
-    #: held-out data the chief evaluates on: a built-in name or an .npz file (None: the
-    #: test split of ``data`` when it is built in)
-    eval_data: str | None = None
-    batch_size: int = 64
-    steps: int | None = 1500
-    until_global_step: int | None = None
-    seed: int = 1
-    url: str | None = None
-    container: str = "default"
-    max_staleness: int | None = None
-    log_every: int = 100
-    ready_timeout: float = 600.0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 5  # the chief keeps its newest N checkpoints (0: all)
-    evaluate: bool = True
-    finish_job: bool = True
-    logdir: str | None = None  # TensorBoard scalars under logdir/worker-<index>/
-    #: where the math runs: auto (CuPy for a model over INLINE_PARAMS dense parameters
-    #: where a CUDA device exists), numpy or cupy; "" takes $QPS_BACKEND, else auto
-    backend: str = ""
-    #: the dtype gradients travel in ("" : the variables' own); "float16" halves the
-    #: bytes of float32 gradients, the shard widens them before the apply
-    grad_dtype: str = ""
-    #: store a small dense model's parameters packed into one flat variable per PS shard
-    #: (workers.models.auto_packed); the chief decides for the job, the others follow
-    pack: bool = True
-
-    def check(self) -> None:
-        """Raises InvalidArgumentError for settings that cannot work."""
-        self.array_module()
-        if self.grad_dtype not in ("", *GRAD_DTYPES):
-            raise InvalidArgumentError(
-                f"grad dtype {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}"
-            )
-        if self.num_workers < 1 or not -1 <= self.index < self.num_workers:
-            raise InvalidArgumentError(
-                f"worker index {self.index} is not in [0, {self.num_workers}) workers"
-            )
-        if self.batch_size < 1:
-            raise InvalidArgumentError(f"batch size must be >= 1, got {self.batch_size}")
-        if self.steps is not None and self.steps < 0:
-            raise InvalidArgumentError(f"steps must be >= 0, got {self.steps}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise InvalidArgumentError(f"max staleness must be >= 0, got {self.max_staleness}")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise InvalidArgumentError("checkpoint_every needs a checkpoint directory")
-        if self.checkpoint_keep < 0:
-            raise InvalidArgumentError(f"checkpoint keep must be >= 0, got {self.checkpoint_keep}")
-
-    def backend_choice(self) -> str:
-        """``auto``, ``numpy`` or ``cupy``: ``backend``, else ``$QPS_BACKEND``, else auto."""
-        return (self.backend or os.environ.get(backend.ENV_VAR) or "auto").strip().lower()
-
-    def array_module(self) -> Any:
-        """NumPy or CuPy, as ``backend`` (or ``$QPS_BACKEND``) asks.
-
-        Raises:
-            InvalidArgumentError: cupy asked for where CuPy or a CUDA device is missing.
-        """
-        what = "backend" if self.backend else backend.ENV_VAR
-        try:
-            return backend.choose(self.backend or os.environ.get(backend.ENV_VAR), what)
-        except (ValueError, RuntimeError) as exc:
-            raise InvalidArgumentError(str(exc)) from None
-
-    @property
-    def name(self) -> str:
-        return f"worker{self.index}"
-
-
-#: losses a WorkerResult keeps (the most recent)
-LOSS_WINDOW = 1000
-
-
-@dataclass
-class WorkerResult:
-    """What one worker did."""
-
-    steps: int = 0
-    examples: int = 0
-    seconds: float = 0.0
-    last_loss: float = math.nan
-    global_step: int = 0
-    test_metric: str = ""  # "accuracy" or "auc" (see evaluate_params)
-    test_value: float | None = None
-    stopped_by: str = ""
-    waited_ms: int = 0  # time spent waiting on slower workers (SSP)
-    started_at: float = 0.0  # wall clock (time.time()) of the first step
-    ended_at: float = 0.0  # and of the end of the last one
-    #: the last LOSS_WINDOW losses (bounded: a long run must not grow the worker)
-    losses: collections.deque[float] = field(
-        default_factory=lambda: collections.deque(maxlen=LOSS_WINDOW)
-    )
-
-    @property
-    def examples_per_second(self) -> float:
-        return self.examples / self.seconds if self.seconds > 0 else 0.0
-
-
-def _split(
-    got: Mapping[str, VariableValue],
-) -> tuple[dict[str, Any], dict[str, int]]:
-    """A pull's name -> (value, version) as a step's parameters and their versions."""
-    return {n: v.value for n, v in got.items()}, {n: v.version for n, v in got.items()}
 
 
 def _names(model: Model) -> set[str]:
@@ -388,77 +270,7 @@ class Worker:
         ps_cfg = await control.read_config(client, container)
         return None if ps_cfg is None else ps_cfg.num_shards
 
-    # -- one step ------------------------------------------------------------------------
-    async def _pull(self, batch: tuple[np.ndarray, ...]) -> tuple[dict[str, Any], dict[str, int]]:
-        started = time.perf_counter()
-        params: dict[str, Any] = {}
-        versions: dict[str, int] = {}
-        if self.dense:
-            params, versions = _split(await self.sess.pull(self.dense))
-        if self.sparse:
-            needed = self.model.rows_needed(batch)
-            rows = await asyncio.gather(*(self.sess.pull_rows(t, needed[t]) for t in self.sparse))
-            for t, val in zip(self.sparse, rows):
-                params[t] = Rows(needed[t], val.value)
-                versions[t] = val.version
-        self.metrics.pulled(started, params.values())
-        return params, versions
-
-    async def _push(self, grads: Mapping[str, Any], step: int, versions: dict[str, int]) -> None:
-        started = time.perf_counter()
-        await self.sess.push(grads, step=step, versions=versions)
-        self.metrics.pushed(started, grads)
-
-    async def _push_then_pull(
-        self, grads: Mapping[str, Any], step: int, versions: dict[str, int], plan: ReadPlan
-    ) -> tuple[dict[str, Any], dict[str, int]] | None:
-        """Push, with the next step's parameters read by ``plan`` right after it, in the
-        same round trip; None if that read cannot be used (the step pulls them itself)."""
-        started = time.perf_counter()
-        _, replies = await self.sess.ps.push_then(
-            grads, plan.commands, step=step, versions=versions
-        )
-        self.metrics.pushed(started, grads)
-        return self._rode(plan, replies)  # [] (they did not run) gives None
-
-    def _rode(
-        self, plan: ReadPlan, replies: list[Any]
-    ) -> tuple[dict[str, Any], dict[str, int]] | None:
-        """The parameters read by ``plan`` in another call's round trip (a push's, a
-        token's), counted as a pull of no time of its own; None if they cannot be
-        used (the step pulls them itself)."""
-        got = self.sess.ps.pulled(plan, replies)
-        if got is None:
-            return None
-        pulled = _split(got)
-        self.metrics.pulled(time.perf_counter(), pulled[0].values())
-        return pulled
-
-    async def _push_then_token(
-        self,
-        grads: Mapping[str, Any],
-        step: int,
-        versions: dict[str, int],
-        tokens: control.Tokens,
-        plan: ReadPlan,
-    ) -> tuple[int, int | None, tuple[dict[str, Any], dict[str, int]] | None] | None:
-        """Synchronous training: push, then, in the same round trip, block for the next
-        token and read the token queue's size and the parameters (``plan``) the moment
-        it is taken (see :meth:`_token`). None when no token came with it (the wait ran
-        out, or did not run): wait with :meth:`_token` then."""
-        started = time.perf_counter()
-        size = tokens.size_commands()
-        wait = tokens.wait_command(job.WAKE_SECONDS)
-        _, replies = await self.sess.ps.push_then(
-            grads, [wait, *size, *plan.commands], step=step, versions=versions, blocking=True
-        )
-        self.metrics.pushed(started, grads)
-        token = tokens.taken(replies[:1])
-        if token is None:
-            return None
-        more = tokens.size_of(replies[1 : 1 + len(size)])
-        return token, more, self._rode(plan, replies[1 + len(size) :])
-
+    # -- the math of one step (how it travels: workers.steps) ---------------------------
     async def _compute(
         self, params: Mapping[str, Any], batch: tuple[np.ndarray, ...]
     ) -> tuple[float, dict[str, Any]]:
@@ -494,7 +306,6 @@ class Worker:
         start = time.monotonic()
         res.started_at = time.time()
         last_log, last_examples = start, 0
-        step = 0
         next_ckpt = 0
         until_check = 0  # the step at which to read the global step for until_global_step
         if cfg.index == 0 and cfg.checkpoint_every:
@@ -505,19 +316,8 @@ class Worker:
         # on a GPU the first step's math runs once more, untimed: CuPy compiles its
         # kernels at their first call (seconds where its kernel cache is empty)
         warm = self.xp is np
-        pulled: tuple[dict[str, Any], dict[str, int]] | None = None
-        newer: asyncio.Future[int] | None = None  # sync: the newest token waiting, sought
         ps_cfg = await control.read_config(sess.client, cfg.container)
-        sync = None if ps_cfg is None else ps_cfg.sync
-        local_step = res.global_step  # synchronous: the update our gradients are for
-        tokens = None if sync is None else control.tokens(sess.client, cfg.container, cfg.index)
-        # the dense pull sent with each token wait (synchronous) or push (asynchronous,
-        # a model computed inline); None: pulled in a round trip of its own
-        plan = (
-            await sess.ps.pull_plan(self.dense)
-            if self.dense and not self.sparse and (sync is not None or self.inline)
-            else None
-        )
+        steps = await steps_for(self, ps_cfg, res.global_step)
         step = res.steps  # after an earlier run's steps (see prepare)
         await self._publish("training", 0.0)  # seen by `qps top` / `qps job` at once
         self.metrics.start()
@@ -538,69 +338,20 @@ class Worker:
                             sess.client, cfg.container, cfg.name, step, cfg.max_staleness,
                             self.names,
                         )  # fmt: skip
-                if newer is not None:  # synchronous: tokens that piled up, sought meanwhile
-                    if pulled is None:
-                        pulled, latest = await asyncio.gather(self._pull(batch), newer)
-                    else:
-                        latest = await newer
-                    newer = None
-                    if latest > local_step:  # our gradient was stale: go on from the newest
-                        local_step = latest  # update, with parameters read after it
-                        pulled = await self._pull(batch)
-                elif pulled is None or self.sparse:
-                    pulled = await self._pull(batch)
-                params, versions = pulled
+                params, versions = await steps.params(batch)
                 if not warm:  # compile the device's kernels before the clock starts
                     await self._compute(params, batch)
                     warm = True
                     start, res.started_at = time.monotonic(), time.time()
                     last_log = start
-                if sync is not None:  # push for update local_step, then wait for it
-                    assert tokens is not None
-                    loss, grads = await self._compute(params, batch)
-                    async with self.stopper.interruptible("waiting for a synchronous update"):
-                        if plan is not None:  # the token wait and the pull ride with the push
-                            got = await self._push_then_token(
-                                grads, local_step, versions, tokens, plan
-                            )
-                        else:
-                            await self._push(grads, local_step, versions)
-                            got = None
-                        token, more, pulled = got or await self._token(tokens, sync[0], plan)
-                    if token is None:
-                        res.stopped_by = "too few workers left to make an update"
-                        await source.used()
-                        step += 1
-                        res.steps, res.last_loss = step, loss
-                        res.examples += int(batch[-1].shape[0])
-                        break
-                    local_step = token
-                    if more != 0:  # tokens wait after it (or their count is unknown)
-                        newer = asyncio.ensure_future(self._newest_token(tokens, token))
-                elif self.sparse:  # the next batch's rows are pulled with it
-                    loss, grads = await self._compute(params, batch)
-                    await self._push(grads, step, versions)
-                    pulled = None
-                elif self.inline:  # the push and the next pull travel together
-                    loss, grads = await self._compute(params, batch)
-                    if plan is not None:  # in one round trip: the pull rides with the push
-                        pulled = await self._push_then_pull(grads, step, versions, plan)
-                    else:
-                        push = self._push(grads, step, versions)
-                        _, pulled = await asyncio.gather(push, self._pull(batch))
-                else:  # the next pull runs while this step computes (on a thread)
-                    ahead = asyncio.ensure_future(self._pull(batch))
-                    try:
-                        loss, grads = await self._compute(params, batch)
-                        await self._push(grads, step, versions)
-                    except BaseException:
-                        ahead.cancel()
-                        raise
-                    pulled = await ahead
+                loss, stop = await steps.step(step, params, versions, batch)
                 await source.used()
                 step += 1
                 n = int(batch[-1].shape[0])
                 res.steps, res.examples, res.last_loss = step, res.examples + n, loss
+                if stop:  # the step counts, but no more are made
+                    res.stopped_by = stop
+                    break
                 res.losses.append(loss)
                 self.metrics.step(n, loss)
                 if cfg.max_staleness is not None:
@@ -633,9 +384,7 @@ class Worker:
         except Stopped as exc:  # a wait cut short
             res.stopped_by = str(exc)
         finally:
-            if newer is not None:
-                newer.cancel()
-                await asyncio.gather(newer, return_exceptions=True)
+            await steps.close()
             await batches.aclose()
             if toucher is not None:
                 toucher.cancel()
@@ -687,44 +436,6 @@ class Worker:
         or "" if nobody asked."""
         got = await job.stop_requested(self.sess.client, self.cfg.container)
         return "" if got is None else f"stop requested ({got.get('reason', 'no reason')})"
-
-    async def _token(
-        self, tokens: control.Tokens, replicas: int, plan: ReadPlan | None
-    ) -> tuple[int | None, int | None, tuple[dict[str, Any], dict[str, int]] | None]:
-        """Synchronous training: block for this worker's next token (the global step
-        after the update its gradient went to, or a later one if it was dropped as
-        stale). None when it cannot come: fewer than ``replicas`` workers are still
-        running (the others are done), or the job is finished.
-
-        With the token come, in the same round trip (:meth:`control.Tokens.take_then`),
-        the number of tokens still waiting (None if unknown) and the parameters read
-        the moment it was taken (the update it names is committed by then) by
-        ``plan``, or None without one (sparse models, large variables, a cluster) or
-        when they cannot be used: the step pulls them itself."""
-        cfg, client = self.cfg, self.sess.client
-        size = tokens.size_commands()
-        then = [*size, *(plan.commands if plan is not None else ())]
-        while True:
-            try:
-                value, replies = await tokens.take_then(then, job.WAKE_SECONDS)
-            except DeadlineExceededError:
-                done = await job.finished_workers(client, cfg.container)
-                if cfg.num_workers - len(done - {cfg.name}) < replicas:
-                    return None, None, None
-                if await control.is_finished(client, cfg.container):
-                    return None, None, None
-                continue
-            if not replies:
-                return int(value), None, None
-            more = tokens.size_of(replies[: len(size)])
-            pulled = None if plan is None else self._rode(plan, replies[len(size) :])
-            return int(value), more, pulled
-
-    @staticmethod
-    async def _newest_token(tokens: control.Tokens, got: int) -> int:
-        """Tokens of updates made without us (our gradient was stale, or we were slow)
-        that wait after token ``got``: take them all; return the newest token."""
-        return max([got, *await tokens.take_all()])
 
     async def _checkpoint(self) -> None:
         cfg, where = self.cfg, self.cfg.checkpoint_dir
