@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from qps import backend
 from workers import kernels as K
+from workers.fused import SOFTMAX_XENT_SRC
 
 
 def numgrad(f, x, eps=1e-6):
@@ -275,7 +276,7 @@ def test_softmax_kernel_source_compiles_with_nvrtc():
         arch = min(int(a) for a in nvrtc.getSupportedArchs())
     except Exception:  # a CuPy without the call: 7.5 is built by CUDA 11 to 13
         arch = 75
-    prog = nvrtc.createProgram(K._SOFTMAX_XENT_SRC, "qps_softmax_xent.cu", [], [])
+    prog = nvrtc.createProgram(SOFTMAX_XENT_SRC, "qps_softmax_xent.cu", [], [])
     try:
         nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{arch}"])
     except Exception:
