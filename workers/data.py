@@ -227,9 +227,12 @@ class Dataset:
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0])
 
+    def components(self) -> str:
+        """The components' dtypes and shapes, e.g. ``float32[64], int64[]``."""
+        return ", ".join(f"{a.dtype}{format_shape(a.shape[1:])}" for a in self.arrays)
+
     def describe(self) -> str:
-        parts = ", ".join(f"{a.dtype}{format_shape(a.shape[1:])}" for a in self.arrays)
-        return f"{self.source}: {len(self)} examples of ({parts})"
+        return f"{self.source}: {len(self)} examples of ({self.components()})"
 
 
 def _check(arrays: list[np.ndarray], source: str) -> Dataset:

@@ -53,6 +53,7 @@ from qps.errors import CancelledError, FailedPreconditionError, InvalidArgumentE
 from qps.owners import default_owner
 from qps.queues import FIFOQueue, QueueBase, RandomShuffleQueue
 from qps.queues.spec import format_shape
+from qps.registry import text_of
 from qps.session import Session
 from qps.transport import Client, map_errors
 from workers.data import DATASETS, Dataset, load_dataset
@@ -179,7 +180,6 @@ async def _open_queue(client: Client, data: Dataset, options: FeedOptions) -> Qu
             client=client,
         )
     spec = q.spec
-    want = ", ".join(f"{a.dtype}{format_shape(a.shape[1:])}" for a in data.arrays)
     have = ", ".join(
         f"{d}{'' if spec.shapes is None else format_shape(s)}"
         for d, s in zip(spec.dtypes, spec.shapes or [()] * len(spec.dtypes))
@@ -195,7 +195,7 @@ async def _open_queue(client: Client, data: Dataset, options: FeedOptions) -> Qu
     if not same or spec.kind == "priority":
         raise InvalidArgumentError(
             f"queue '{options.queue}' in container '{options.container}' holds "
-            f"{spec.class_name} elements ({have}); the data has ({want})"
+            f"{spec.class_name} elements ({have}); the data has ({data.components()})"
         )
     return q
 
@@ -210,10 +210,6 @@ def fingerprint(data: Dataset) -> str:
         flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
         h.update(flat[: 16 << 20].tobytes())
     return h.hexdigest()
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 @dataclass
@@ -239,7 +235,7 @@ async def _plan(
     state_key = keys.feed_prefix(options.container, options.queue) + "state"
     with map_errors():
         raw = await client.commands.hgetall(state_key)
-    st = {_text(k): _text(v) for k, v in raw.items()}
+    st = {text_of(k): text_of(v) for k, v in raw.items()}
     n, fp = len(data), fingerprint(data)
     stats = await queue.stats()
     if st and not options.fresh:

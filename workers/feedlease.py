@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from qps import keys
 from qps.errors import AbortedError, QpsError
 from qps.owners import owner_is_dead
+from qps.registry import text_of
 from qps.transport import BLOCK_SECONDS, Client
 from workers.input import Coordinator
 
@@ -53,10 +54,6 @@ async def until_stop(aw: Awaitable[T], coord: Coordinator) -> tuple[bool, T | No
     return False, None
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class FeedLease:
     """The feeder's lease on the feed into one queue: one feeder at a time feeds it."""
 
@@ -69,7 +66,7 @@ class FeedLease:
     async def _call(self, *args: Any) -> tuple[str, list[Any]]:
         """The script's status word and the rest of its reply."""
         reply = await self.client.run_script("workers/feed_lease", self.keys, list(args))
-        return _text(reply[0]), list(reply[1:])
+        return text_of(reply[0]), list(reply[1:])
 
     async def acquire(self, coord: Coordinator) -> bool:
         """Take the lease, taking it over at once from a dead process of this host,
@@ -80,7 +77,7 @@ class FeedLease:
             status, rest = await self._call("take", self.owner, FEED_LEASE_MS)
             if status == "ok":
                 return True
-            held, pttl = _text(rest[0]), int(rest[1])
+            held, pttl = text_of(rest[0]), int(rest[1])
             if owner_is_dead(held):
                 status, _ = await self._call("takeover", self.owner, FEED_LEASE_MS, held)
                 if status == "ok":
@@ -107,7 +104,7 @@ class FeedLease:
         if self.lost is None:
             status, rest = await self._call("renew", self.owner, FEED_LEASE_MS)
             if status != "ok":
-                self.lost = _text(rest[0]) or "nobody (it ran out)"
+                self.lost = text_of(rest[0]) or "nobody (it ran out)"
         if self.lost is not None:
             raise AbortedError(
                 f"the feed into '{self.queue}' was taken over by {self.lost} while this "

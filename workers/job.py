@@ -21,6 +21,7 @@ from typing import Any
 
 from qps import keys
 from qps.errors import DeadlineExceededError, FailedPreconditionError
+from qps.registry import text_of
 from qps.transport import Client, map_errors
 
 __all__ = [
@@ -168,7 +169,7 @@ async def read_statuses(client: Client, container: str) -> dict[str, dict[str, A
     """Every worker's last published status, by worker name."""
     with map_errors():
         raw = await client.commands.hgetall(_key(container, "workers"))
-    return {(k.decode() if isinstance(k, bytes) else str(k)): json.loads(v) for k, v in raw.items()}
+    return {text_of(k): json.loads(v) for k, v in raw.items()}
 
 
 async def finish_worker(client: Client, container: str, worker: str) -> int:
@@ -190,7 +191,7 @@ async def finished_workers(client: Client, container: str) -> set[str]:
     """The workers that have recorded they are done."""
     with map_errors():
         got = await client.commands.smembers(_key(container, "done"))
-    return {m.decode() if isinstance(m, bytes) else str(m) for m in got}
+    return {text_of(m) for m in got}
 
 
 async def clear_done(client: Client, container: str) -> None:

@@ -43,6 +43,7 @@ from qps import checkpoint, keys, owners
 from qps.containers import reset, scan_container_keys
 from qps.errors import FailedPreconditionError, NotFoundError
 from qps.ps import control
+from qps.registry import text_of
 from qps.stopping import Stopped, Stopper
 from qps.transport import Client
 from workers import job
@@ -80,10 +81,6 @@ def lease_key(container: str) -> str:
     return keys.container_prefix(keys.check_container(container)) + "job:launcher"
 
 
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
 def describe_holder(record: dict[str, Any], ttl_ms: int | None = None) -> str:
     """``qps train on host H, pid P, since 06:21:03 UTC`` for a lease record."""
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(record.get("since", 0))))
@@ -117,7 +114,7 @@ class LauncherLease:
         ok, holder = await self.client.run_script(
             "workers/launcher_acquire", [self.key], [self.value, LEASE_MS, expected]
         )
-        return bool(int(ok)), _text(holder)
+        return bool(int(ok)), text_of(holder)
 
     async def acquire(self) -> str | None:
         """Take the lease: free, expired, ours, or held by a launcher of this host that

@@ -131,11 +131,6 @@ class Packed(BaseModel):
         lengths = [self._bounds[k + 1] - self._bounds[k] for k in range(self.groups)]
         return layout_of(self.dtype, list(zip(self._names, lengths)), self._dense)
 
-    @property
-    def part_names(self) -> list[str]:
-        """The names of the parts, in order."""
-        return list(self._names)
-
     def params_spec(self) -> list[ParamSpec]:
         parts = [
             ParamSpec(name, (self._bounds[k + 1] - self._bounds[k],), self.dtype)
