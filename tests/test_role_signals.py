@@ -191,10 +191,12 @@ class Monitor:
     send the blocking command of the state under test."""
 
     def __init__(self, server: EmbeddedServer) -> None:
-        self._redis = redis.Redis(unix_socket_path=server.socket_path)
+        # no read timeout (redis-py 8's default is 5 s): the roles may be quiet longer
+        self._redis = redis.Redis(unix_socket_path=server.socket_path, socket_timeout=None)
         self._monitor = self._redis.monitor()
         self._monitor.__enter__()
         self.commands: list[str] = []
+        self.ended: BaseException | None = None
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -204,17 +206,22 @@ class Monitor:
                 with self._changed:
                     self.commands.append(str(got["command"]))
                     self._changed.notify_all()
-        except (redis.RedisError, OSError, ValueError, AttributeError):
-            pass  # closed
+        except (redis.RedisError, OSError, ValueError, AttributeError) as exc:
+            with self._changed:  # closed; or failed, which a wait must say
+                self.ended = exc
+                self._changed.notify_all()
 
     def wait_for(self, *words: str, timeout: float = STATE_WAIT) -> None:
         """Wait until the server ran a command containing every one of ``words``."""
 
         def seen() -> bool:
-            return any(all(w in c for w in words) for c in self.commands)
+            return self.ended is not None or any(all(w in c for w in words) for c in self.commands)
 
         with self._changed:
             assert self._changed.wait_for(seen, timeout), f"no command with {words} run"
+            assert any(all(w in c for w in words) for c in self.commands), (
+                f"no command with {words} run; MONITOR ended: {self.ended!r}"
+            )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -489,7 +496,9 @@ def test_feed_loading_its_data(
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=_signame)
-def test_train(server: EmbeddedServer, container: str, roles: Callable[..., Role], sig: int) -> None:
+def test_train(
+    server: EmbeddedServer, container: str, roles: Callable[..., Role], sig: int
+) -> None:
     """`qps train` stops every role (SIGTERM) and exits 130 (workers/launcher.py)."""
     t = roles("train", "--url", server.url, "--container", container, "--ps", "1",
               "--workers", "2", "--steps", "1000000", "--log-every", "20")  # fmt: skip
