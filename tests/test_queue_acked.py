@@ -160,7 +160,7 @@ async def test_fast_paths_beside_held_deliveries_but_not_past_a_lapsed_one(
     queues' fast paths; one whose lease ran out does: it goes back to the front (the
     full script's reap) before an enqueue hands anything to a waiting consumer."""
     # longer than a wait's 1 s block (waiters renew their own leases once per block)
-    monkeypatch.setattr("qps.queues.base.LEASE_MS", 2500)
+    monkeypatch.setattr("qps.queues.waiters.LEASE_MS", 2500)
     a, b = await make_client(), await make_client()
     qa, qb = fifo(a), fifo(b)
     prefix = keys.queue_prefix("default", "acked")
@@ -187,7 +187,7 @@ async def test_fast_paths_beside_held_deliveries_but_not_past_a_lapsed_one(
 
 async def test_expired_lease_redelivers_and_late_ack_fails(make_client, monkeypatch):
     # longer than a wait's 1 s block (waiters renew their own leases once per block)
-    monkeypatch.setattr("qps.queues.base.LEASE_MS", 2500)
+    monkeypatch.setattr("qps.queues.waiters.LEASE_MS", 2500)
     a, b = await make_client(), await make_client()
     qa, qb = fifo(a), fifo(b)
     await qa.enqueue(10)
@@ -231,7 +231,7 @@ async def test_large_elements_and_batches_are_released_on_ack_only(client):
 
 
 async def test_touch_keeps_the_lease(make_client, monkeypatch):
-    monkeypatch.setattr("qps.queues.base.LEASE_MS", 2000)
+    monkeypatch.setattr("qps.queues.waiters.LEASE_MS", 2000)
     a, b = await make_client(), await make_client()
     qa, qb = fifo(a), fifo(b)
     await qa.enqueue(1)

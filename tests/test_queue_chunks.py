@@ -57,7 +57,7 @@ async def test_stored_out_of_line_and_read_with_the_take(client, monkeypatch):
         return await real(*args, **kw)
 
     monkeypatch.setattr("qps.queues.large.fetch_large", counted)
-    monkeypatch.setattr("qps.queues.base.fetch_large", counted)
+    monkeypatch.setattr("qps.queues.take.fetch_large", counted)
     for k in range(4):
         assert np.array_equal(await q.dequeue(), element(k))
     # the first read its chunk after the take; the others with it

@@ -18,7 +18,7 @@ log = logging.getLogger("qps.queue")
 LEASE_MS = max(int(os.environ.get("QPS_LEASE_MS", "10000")), int(3000 * BLOCK_SECONDS))
 
 
-class _Waiters:
+class Waiters:
     """The attempts of one client that are blocked right now, so that closing the client
     can wake them with CancelledError (TF: Session.close cancels pending ops)."""
 
@@ -36,13 +36,13 @@ class _Waiters:
                 log.warning("blocked call %s did not finish after its client closed", aid)
 
 
-_waiters: dict[int, _Waiters] = {}
+_waiters: dict[int, Waiters] = {}
 
 
-def waiters_of(client: Client) -> _Waiters:
+def waiters_of(client: Client) -> Waiters:
     w = _waiters.get(id(client))
     if w is None or w.client is not client:
-        w = _waiters[id(client)] = _Waiters(client)
+        w = _waiters[id(client)] = Waiters(client)
     return w
 
 
