@@ -193,22 +193,17 @@ async def consume(
     check = _Check(DemoData(seed))
     async with connected(url) as client:
         q = demo_queue(client, name, capacity)
-        many = upto = 0
+        calls = [0, 0]
         start_wall, t0 = time.time(), time.perf_counter()
-        while True:  # full batches while the queue is open or holds enough...
-            try:
-                images, labels = await q.dequeue_many(batch)
-            except OutOfRangeError:
-                break
-            many += 1
-            check.add(images, labels)
-        while True:  # ...then what is left of the closed queue
-            try:
-                images, labels = await q.dequeue_up_to(batch)
-            except OutOfRangeError:
-                break
-            upto += 1
-            check.add(images, labels)
+        # full batches while the queue is open or holds enough, then the closed queue's rest
+        for i, take in enumerate((q.dequeue_many, q.dequeue_up_to)):
+            while True:
+                try:
+                    images, labels = await take(batch)
+                except OutOfRangeError:
+                    break
+                calls[i] += 1
+                check.add(images, labels)
         seconds = time.perf_counter() - t0
     if check.count != elements:
         check.problems.insert(0, f"received {check.count} elements, expected {elements}")
@@ -216,8 +211,8 @@ async def consume(
         "role": "consumer",
         "elements": check.count,
         "expected": elements,
-        "dequeue_many_calls": many,
-        "dequeue_up_to_calls": upto,
+        "dequeue_many_calls": calls[0],
+        "dequeue_up_to_calls": calls[1],
         "bad_elements": check.bad,
         "first_bad": check.first_bad,
         "problems": check.problems,
@@ -271,10 +266,9 @@ def _report(role: str, line: str, result: dict[str, Any]) -> None:
 
 def _child_run(role: str, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     try:
-        result = run_async(coro)
+        return run_async(coro)
     except CliError as exc:
         raise CliError(f"demo {role}: {exc.message}", exc.exit_code) from exc
-    return result
 
 
 @workers.command(name="producer")

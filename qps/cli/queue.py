@@ -23,19 +23,13 @@ from qps.cli import (
     CliError,
     connected,
     container_option,
+    echo_json,
+    interactive,
     json_option,
     run_async,
+    table,
     url_option,
     yes_option,
-)
-from qps.cli import (
-    echo_json as _echo_json,
-)
-from qps.cli import (
-    interactive as _interactive,
-)
-from qps.cli import (
-    table as _table,
 )
 from qps.errors import CancelledError, DataLossError, DeadlineExceededError
 from qps.ps.gradlist import ListCounts, queue_list_counts
@@ -58,12 +52,17 @@ PREVIEW_THRESHOLD = 20
 # -- helpers --------------------------------------------------------------------------
 
 
-def _capacity_text(capacity: int) -> str:
-    return "unbounded" if capacity < 0 else str(capacity)
-
-
 def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _confirm(question: str, no_terminal: str, declined: str) -> None:
+    """Ask ``question``; refuse with ``no_terminal`` (exit 2) when stdin cannot answer,
+    with ``declined`` (exit 1) when the answer is no."""
+    if not interactive():
+        raise CliError(no_terminal, EXIT_USAGE)
+    if not click.confirm(question, default=False):
+        raise CliError(declined, EXIT_FAILURE)
 
 
 # -- the group ---------------------------------------------------------------------------
@@ -124,14 +123,14 @@ def ls_command(url: str | None, container: str, json: bool) -> None:
     stats, lists = run_async(_ls(url, container))
     broken = [s for s in stats if isinstance(s, BrokenQueue)]
     if json:
-        _echo_json([_with_list(s.as_dict(), lists) for s in stats])
+        echo_json([_with_list(s.as_dict(), lists) for s in stats])
     elif not stats:
         click.echo(f"no queues in container '{container}'")
     else:
         header = ["NAME", "TYPE", "SIZE/CAP", "CLOSED", "PEND_ENQ", "PEND_DEQ", "ENQUEUED"]
         header.append("DEQUEUED")
         rows = [_ls_row(s) for s in stats]
-        for line in _table(header, rows, right={2, 4, 5, 6, 7}):
+        for line in table(header, rows, right={2, 4, 5, 6, 7}):
             click.echo(line)
         for name, lc in lists.items():
             click.echo(list_note(name, lc))
@@ -175,7 +174,7 @@ def stat_lines(s: QueueStats) -> list[str]:
         ("dtypes", ", ".join(dtype_name(d) for d in spec.dtypes)),
         ("shapes", ", ".join(spec.describe()["shapes"]) if spec.shapes is not None else "unknown"),
         ("names", ", ".join(spec.names) if spec.names is not None else "-"),
-        ("capacity", _capacity_text(spec.capacity)),
+        ("capacity", "unbounded" if spec.capacity < 0 else str(spec.capacity)),
     ]
     if spec.kind == "shuffle":
         rows.append(("min_after_dequeue", str(spec.min_after_dequeue)))
@@ -213,7 +212,7 @@ def stat_command(name: str, url: str | None, container: str, json: bool) -> None
     """
     s, lc = run_async(_stat(url, container, name))
     if json:
-        _echo_json(_with_list(s.as_dict(), {} if lc is None else {name: lc}))
+        echo_json(_with_list(s.as_dict(), {} if lc is None else {name: lc}))
         return
     for line in stat_lines(s):
         click.echo(line)
@@ -237,9 +236,7 @@ async def _peek(
 def _plain(arr: np.ndarray) -> np.ndarray:
     """``arr`` as a dtype that numpy prints and lists as Python numbers (bfloat16 -> float32),
     or as bytes for a string component."""
-    if arr.dtype.kind in "biufS":
-        return arr
-    return arr.astype(np.float32)
+    return arr if arr.dtype.kind in "biufS" else arr.astype(np.float32)
 
 
 def _json_value(v: Any) -> Any:
@@ -251,9 +248,7 @@ def _json_value(v: Any) -> Any:
 
 
 def _component_labels(n: int, names: Sequence[str] | None) -> list[str]:
-    if names is not None and len(names) == n:
-        return list(names)
-    return [str(i) for i in range(n)]
+    return list(names) if names is not None and len(names) == n else [str(i) for i in range(n)]
 
 
 def _decode(p: StoredElement) -> wire.Message | str:
@@ -341,7 +336,7 @@ def peek_command(name: str, n: int, url: str | None, container: str, json: bool)
     s, elements = run_async(_peek(url, container, name, n))
     names = s.spec.names
     if json:
-        _echo_json([{"index": i, **describe_element(p, names)} for i, p in enumerate(elements)])
+        echo_json([{"index": i, **describe_element(p, names)} for i, p in enumerate(elements)])
         return
     which = "stored" if s.spec.kind == "shuffle" else "next"
     click.echo(
@@ -370,18 +365,13 @@ async def _close(
         if before.closed and not cancel_pending:
             raise CliError(f"queue '{where}' is already closed", EXIT_FAILURE)
         if not before.closed and not yes:
-            if not _interactive():
-                raise CliError(
-                    f"closing queue '{where}' cannot be undone and stdin is not a terminal "
-                    "to confirm it: pass --yes to close it",
-                    EXIT_USAGE,
-                )
-            question = (
+            _confirm(
                 f"Close {before.spec.class_name} '{where}' ({before.size} stored element(s), "
-                f"{before.pending_enqueues} pending enqueue(s))? This cannot be undone"
+                f"{before.pending_enqueues} pending enqueue(s))? This cannot be undone",
+                f"closing queue '{where}' cannot be undone and stdin is not a terminal "
+                "to confirm it: pass --yes to close it",
+                f"not confirmed; queue '{where}' left open",
             )
-            if not click.confirm(question, default=False):
-                raise CliError(f"not confirmed; queue '{where}' left open", EXIT_FAILURE)
         q = queue_from_spec(before.spec, name, container, client)
         if before.pending_enqueues and not cancel_pending and not before.closed:
             click.echo(
@@ -451,7 +441,7 @@ def close_command(
     """
     result = run_async(_close(url, container, name, cancel_pending, yes, timeout))
     if json:
-        _echo_json(result)
+        echo_json(result)
         return
     where = f"{container}/{name}"
     if result["was_closed"]:
@@ -495,15 +485,12 @@ async def _drain(
         where = f"{container}/{name}"
         total = before.size if limit is None else min(limit, before.size)
         if total and not yes:
-            if not _interactive():
-                raise CliError(
-                    f"draining queue '{where}' removes its elements and stdin is not a "
-                    "terminal to confirm it: pass --yes",
-                    EXIT_USAGE,
-                )
-            question = f"Take {total} element(s) out of {before.spec.class_name} '{where}'?"
-            if not click.confirm(question, default=False):
-                raise CliError(f"not confirmed; queue '{where}' left as it was", EXIT_FAILURE)
+            _confirm(
+                f"Take {total} element(s) out of {before.spec.class_name} '{where}'?",
+                f"draining queue '{where}' removes its elements and stdin is not a "
+                "terminal to confirm it: pass --yes",
+                f"not confirmed; queue '{where}' left as it was",
+            )
         q = queue_from_spec(before.spec, name, container, client)
         batched = before.spec.shapes is not None
         ncomp = len(before.spec.dtypes)
@@ -528,8 +515,8 @@ async def _drain(
                     break
                 taken += count
                 if out is not None:
-                    for i, c in enumerate(got):
-                        parts[i].append(c)
+                    for part, c in zip(parts, got):
+                        part.append(c)
                 bar.update(taken, max(total, taken))
             else:
                 stopped = "limit"
@@ -538,13 +525,10 @@ async def _drain(
             labels = list(before.spec.names or [f"c{i}" for i in range(ncomp)])
             arrays: dict[str, np.ndarray] = {}
             for label, chunks in zip(labels, parts, strict=True):
-                if not chunks:
-                    continue
-                if batched:
+                if batched and chunks:
                     arrays[label] = np.concatenate(chunks)
-                else:  # shapes vary: one array per element
-                    for j, c in enumerate(chunks):
-                        arrays[f"{label}_{j}"] = c[0]
+                elif not batched:  # shapes vary: one array per element
+                    arrays.update({f"{label}_{j}": c[0] for j, c in enumerate(chunks)})
             save: Any = np.savez  # its stub types **arrays as allow_pickle's bool
             save(out, allow_pickle=False, **arrays)
             saved = out if out.endswith(".npz") else out + ".npz"
@@ -603,7 +587,7 @@ def drain_command(
     """
     result = run_async(_drain(url, container, name, yes, limit, out, json))
     if json:
-        _echo_json(result)
+        echo_json(result)
         return
     where = f"{container}/{name}"
     text = f"drained {result['drained']} element(s) from {result['type']} '{where}'"
