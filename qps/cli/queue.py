@@ -24,13 +24,13 @@ from qps.cli import (
     connected,
     container_option,
     echo_json,
-    interactive,
     json_option,
     run_async,
     table,
     url_option,
     yes_option,
 )
+from qps.cli import interactive as _interactive  # tests answer for the terminal
 from qps.errors import CancelledError, DataLossError, DeadlineExceededError
 from qps.ps.gradlist import ListCounts, queue_list_counts
 from qps.queues import (
@@ -59,7 +59,7 @@ def _yes_no(flag: bool) -> str:
 def _confirm(question: str, no_terminal: str, declined: str) -> None:
     """Ask ``question``; refuse with ``no_terminal`` (exit 2) when stdin cannot answer,
     with ``declined`` (exit 1) when the answer is no."""
-    if not interactive():
+    if not _interactive():
         raise CliError(no_terminal, EXIT_USAGE)
     if not click.confirm(question, default=False):
         raise CliError(declined, EXIT_FAILURE)
