@@ -37,7 +37,7 @@ def line(*tokens: object) -> str:
     return " ".join([str(waiters.LEASE_MS), *map(str, tokens)])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Enqueue:
     """``enqueue.lua``: ``A[2]`` id, ``A[3]`` nowait (0/1); the elements follow in ARGV."""
 
@@ -53,7 +53,7 @@ class Enqueue:
         return f"{waiters.LEASE_MS} {self.aid} {int(self.nowait)}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Close:
     """``close.lua``: ``A[2]`` id, ``A[3]`` cancel_pending_enqueues (0/1)."""
 
@@ -69,7 +69,7 @@ class Close:
         return f"{waiters.LEASE_MS} {self.aid} {int(self.cancel)}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dequeue:
     """``dequeue.lua``: ``A[2]`` id, ``A[3]`` n, ``A[4]`` mode (one|many|upto), ``A[5]``
     nowait, ``A[6]`` the caller's previous delivery record to drop ('-': none), ``A[7]``
@@ -108,7 +108,7 @@ def abort_argv(entry: str, aid: str, why: str) -> str:
     return f"{waiters.LEASE_MS} {entry} {aid} {why}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Riders:
     """Plain commands that travel with an attempt's script calls, in their round trips.
 
@@ -129,7 +129,7 @@ class Riders:
             self.sink[:] = replies
 
 
-@dataclass
+@dataclass(slots=True)
 class WaitForecast:
     """Whether a dequeue will probably wait, from whether the last ones did.
 
@@ -150,7 +150,7 @@ class WaitForecast:
         self.before_last, self.last = self.last, waited
 
 
-@dataclass
+@dataclass(slots=True)
 class Attempt:
     """One attempt of ``queue`` (a :class:`~qps.queues.core.QueueCore`), run by :meth:`run`."""
 
