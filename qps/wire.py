@@ -19,10 +19,7 @@ uses pickle, so decoding untrusted bytes cannot run code.
 from __future__ import annotations
 
 import functools
-import math
-import struct
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -30,11 +27,39 @@ import numpy as np
 import numpy.typing as npt
 
 from qps.errors import DataLossError, InvalidArgumentError
-
-try:  # optional: bfloat16 support
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - depends on the environment
-    _ml_dtypes = None
+from qps.wire_rows import (
+    _ROWWISE_MIN_BYTES,
+    EncodedRows,
+    decode_rows,
+    encode_rows,
+    encode_rows_lazily,
+)
+from qps.wire_spec import (
+    _ALIGN,
+    _CACHED_HEADER_MAX,
+    _CODE_BY_DTYPE,
+    _DTYPE_BY_CODE,
+    _FLAG_NAMES,
+    _INTP_MAX,
+    _PADS,
+    _PREFIX,
+    _PREFIX_LEN,
+    _ZEROS,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_MESSAGE_BYTES,
+    MAX_NDIM,
+    MAX_STRING_ITEMSIZE,
+    Shape,
+    _align,
+    _check_names,
+    _code_slow,
+    _header,
+    _to_numpy,
+    dtype_code,
+    dtype_from_code,
+    header_bytes,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,6 +67,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_NDIM",
     "MAX_STRING_ITEMSIZE",
+    "_ROWWISE_MIN_BYTES",
     "EncodedRows",
     "Message",
     "decode",
@@ -57,59 +83,6 @@ __all__ = [
     "split_chunks",
 ]
 
-FORMAT_VERSION = 1
-"""The format version this module writes and the only one it reads."""
-
-MAX_MESSAGE_BYTES = 2**31 - 1
-"""Default limit on the size a message may declare (2 GiB - 1)."""
-
-MAX_NDIM = 32
-"""Most dimensions one component may have."""
-
-MAGIC = b"QW"
-_FLAG_NAMES = 0x01
-_PREFIX = struct.Struct("<2sBBI")  # magic, version, flags, header_len
-_PREFIX_LEN = _PREFIX.size  # 8
-_ALIGN = 8
-_U32_MAX = 2**32 - 1
-_INTP_MAX = int(np.iinfo(np.intp).max)
-_ZEROS = bytes(_ALIGN)
-_PADS = tuple(bytes(i) for i in range(_ALIGN))
-# Headers up to this size are parsed once and remembered; larger ones are parsed each time
-# so that the cache cannot pin large amounts of memory.
-_CACHED_HEADER_MAX = 4096
-
-_DTYPE_BY_CODE: dict[str, np.dtype[Any]] = {
-    "b1": np.dtype(np.bool_),
-    "i1": np.dtype("<i1"),
-    "i2": np.dtype("<i2"),
-    "i4": np.dtype("<i4"),
-    "i8": np.dtype("<i8"),
-    "u1": np.dtype("<u1"),
-    "u2": np.dtype("<u2"),
-    "u4": np.dtype("<u4"),
-    "u8": np.dtype("<u8"),
-    "f2": np.dtype("<f2"),
-    "f4": np.dtype("<f4"),
-    "f8": np.dtype("<f8"),
-}
-_BF16: np.dtype[Any] | None = None
-if _ml_dtypes is not None:
-    _BF16 = np.dtype(_ml_dtypes.bfloat16)
-    # ml_dtypes types are native-endian only; the wire stores little-endian.
-    if sys.byteorder == "little":
-        _DTYPE_BY_CODE["bf16"] = _BF16
-_CODE_BY_DTYPE: dict[np.dtype[Any], str] = {dt: code for code, dt in _DTYPE_BY_CODE.items()}
-_SUPPORTED = (
-    "bool, int8-64, uint8-64, float16/32/64, bfloat16 (with ml_dtypes) and fixed-width "
-    "bytes S1..S2147483647"
-)
-MAX_STRING_ITEMSIZE = 2**31 - 1
-"""Widest fixed-width bytes dtype (``S<n>``) the format carries: numpy's own limit."""
-_STRING_CODE_MAX_LEN = 1 + len(str(MAX_STRING_ITEMSIZE))
-
-Shape = tuple[int, ...]
-
 
 class Message(NamedTuple):
     """A decoded message: its arrays, in order, and their names if it carried any."""
@@ -118,96 +91,7 @@ class Message(NamedTuple):
     names: list[str] | None
 
 
-# --------------------------------------------------------------------------- dtypes
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
-
-
-def dtype_code(dt: npt.DTypeLike) -> str:
-    """Return the wire code (``"f4"``, ``"b1"``, ``"bf16"``, ``"S5"``, ...) of dtype ``dt``.
-
-    Either byte order is accepted: the wire always stores little-endian. A fixed-width
-    bytes dtype ``S<n>`` has the code ``"S<n>"`` (its itemsize is part of the code).
-
-    Raises:
-        InvalidArgumentError: ``dt`` is not a dtype, or not one the format carries
-            (object, unicode ``U``, bytes without a width (``S0``), void/structured,
-            complex, datetime, longdouble...).
-    """
-    try:
-        d = np.dtype(dt)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"{dt!r} is not a numpy dtype: {e}") from e
-    code = _CODE_BY_DTYPE.get(d)
-    if code is not None:
-        return code
-    return _code_slow(d)
-
-
-def _code_slow(d: np.dtype[Any]) -> str:
-    """The code of a dtype that is not in the table as is (e.g. big-endian, bytes)."""
-    if d.kind in "biuf" and d.fields is None and d.subdtype is None:
-        code = _CODE_BY_DTYPE.get(d.newbyteorder("<"))
-        if code is not None:
-            return code
-    if d.kind == "S" and d.itemsize > 0:
-        return f"S{d.itemsize}"
-    raise InvalidArgumentError(
-        f"dtype {d} ({d.str}) cannot be sent on the qps wire; supported: {_SUPPORTED}"
-    )
-
-
-def dtype_from_code(code: str) -> np.dtype[Any]:
-    """Return the little-endian numpy dtype of a wire dtype code.
-
-    Raises:
-        DataLossError: ``code`` is not a known code (for bytes: not ``"S<n>"`` with ``n``
-            written in decimal without leading zeros, ``1 <= n <=``
-            :data:`MAX_STRING_ITEMSIZE`), or is ``"bf16"`` and ``ml_dtypes`` is not
-            installed.
-    """
-    dt = _DTYPE_BY_CODE.get(code) if type(code) is str else None
-    if dt is not None:
-        return dt
-    if type(code) is str and code.startswith("S"):
-        return _string_dtype(code)
-    if code == "bf16":
-        raise DataLossError("dtype code 'bf16' needs the optional package ml_dtypes")
-    raise DataLossError(f"unknown dtype code {code!r}")
-
-
-@functools.lru_cache(maxsize=256)
-def _string_dtype(code: str) -> np.dtype[Any]:
-    """The ``S<n>`` dtype of a bytes code; only the canonical spelling is accepted."""
-    digits = code[1:]
-    if (
-        len(code) <= _STRING_CODE_MAX_LEN
-        and digits.isascii()
-        and digits.isdigit()
-        and digits[0] != "0"
-        and int(digits) <= MAX_STRING_ITEMSIZE
-    ):
-        return np.dtype(code)
-    raise DataLossError(f"unknown dtype code {code!r} (bytes codes are S1..S{MAX_STRING_ITEMSIZE})")
-
-
 # --------------------------------------------------------------------------- encoding
-
-
-def _to_numpy(x: Any, j: int) -> npt.NDArray[Any]:
-    """Component ``j`` as a host numpy array (CuPy arrays are copied to the host)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__") and hasattr(x, "get"):
-        x = x.get()
-        if isinstance(x, np.ndarray):
-            return x
-    try:
-        return np.asarray(x)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise InvalidArgumentError(f"component {j} is not convertible to an array: {e}") from e
 
 
 def _split_input(
@@ -234,35 +118,6 @@ def _split_input(
             f"{type(arrays).__name__} (wrap a single array in a list)"
         )
     return items, _check_names(names, len(items))
-
-
-def _check_names(names: Sequence[str] | None, count: int) -> tuple[str, ...] | None:
-    if names is None:
-        return None
-    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
-        raise InvalidArgumentError(f"names must be a sequence of str, got {type(names).__name__}")
-    names_t = tuple(names)
-    for k in names_t:
-        if type(k) is not str:
-            raise InvalidArgumentError(f"component names must be str, got {k!r}")
-    if len(names_t) != count:
-        raise InvalidArgumentError(f"{len(names_t)} names given for {count} components")
-    return names_t
-
-
-@functools.lru_cache(maxsize=1024)
-def _header(
-    codes: tuple[str, ...], shapes: tuple[Shape, ...], names: tuple[str, ...] | None
-) -> bytes:
-    """The padded header prefix for already validated codes/shapes/names."""
-    comps = [[c, list(s)] for c, s in zip(codes, shapes, strict=True)]
-    body: bytes = msgpack.packb([comps, None if names is None else list(names)], use_bin_type=True)
-    if len(body) > _U32_MAX:
-        raise InvalidArgumentError(f"header of {len(body)} bytes does not fit the u32 length")
-    flags = 0 if names is None else _FLAG_NAMES
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(body))
-    end = _PREFIX_LEN + len(body)
-    return prefix + body + _PADS[_align(end) - end]
 
 
 def _raw(a: npt.NDArray[Any]) -> bytes | memoryview:
@@ -335,45 +190,6 @@ def encode(arrays: Sequence[Any] | Mapping[str, Any], names: Sequence[str] | Non
         InvalidArgumentError: as :func:`encode_parts`.
     """
     return b"".join(encode_parts(arrays, names))
-
-
-def _check_shape(s: Any, j: int) -> Shape:
-    if isinstance(s, (str, bytes)) or not isinstance(s, (Sequence, np.ndarray)):
-        raise InvalidArgumentError(f"shape {j} must be a sequence of ints, got {s!r}")
-    out: list[int] = []
-    for d in s:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d <= _INTP_MAX:
-            raise InvalidArgumentError(f"shape {j}: dimension {d!r} is not an int >= 0")
-        out.append(int(d))
-    if len(out) > MAX_NDIM:
-        raise InvalidArgumentError(f"shape {j} has {len(out)} dimensions, most is {MAX_NDIM}")
-    return tuple(out)
-
-
-def _normalize_spec(
-    dtypes: Sequence[npt.DTypeLike], shapes: Sequence[Sequence[int]]
-) -> tuple[tuple[str, ...], tuple[Shape, ...]]:
-    if len(dtypes) != len(shapes):
-        raise InvalidArgumentError(f"{len(dtypes)} dtypes but {len(shapes)} shapes")
-    codes = tuple(dtype_code(d) for d in dtypes)
-    shps = tuple(_check_shape(s, j) for j, s in enumerate(shapes))
-    return codes, shps
-
-
-def header_bytes(
-    dtypes: Sequence[npt.DTypeLike],
-    shapes: Sequence[Sequence[int]],
-    names: Sequence[str] | None = None,
-) -> bytes:
-    """The exact header prefix (magic through the padding before buffer 0) that
-    :func:`encode` writes for arrays of these dtypes and shapes (and names).
-
-    Raises:
-        InvalidArgumentError: unsupported dtype, bad shape (not ints >= 0, more than
-            :data:`MAX_NDIM` dims), or dtypes/shapes/names of different lengths.
-    """
-    codes, shps = _normalize_spec(dtypes, shapes)
-    return _header(codes, shps, _check_names(names, len(codes)))
 
 
 # --------------------------------------------------------------------------- decoding
@@ -546,272 +362,6 @@ def decode_arrays(
         InvalidArgumentError: as :func:`decode`.
     """
     return decode(data, max_bytes=max_bytes).arrays
-
-
-# --------------------------------------------------------------------------- batches
-
-
-class _RowLayout(NamedTuple):
-    """Constant facts about one element of a fixed-shape spec."""
-
-    codes: tuple[str, ...]
-    dtypes: tuple[np.dtype[Any], ...]
-    shapes: tuple[Shape, ...]
-    offsets: tuple[int, ...]
-    nbytes: tuple[int, ...]
-    header: npt.NDArray[np.uint8]  # the header prefix as uint8
-    inner_pads: tuple[tuple[int, int], ...]  # zero ranges between buffers
-    length: int  # bytes per element message
-
-
-@functools.lru_cache(maxsize=256)
-def _row_layout_norm(codes: tuple[str, ...], shapes: tuple[Shape, ...]) -> _RowLayout:
-    head = _header(codes, shapes, None)
-    dts = tuple(dtype_from_code(c) for c in codes)
-    offsets: list[int] = []
-    nbytes: list[int] = []
-    pads: list[tuple[int, int]] = []
-    pos = len(head)
-    for j, (dt, s) in enumerate(zip(dts, shapes, strict=True)):
-        if j:
-            start = _align(pos)
-            if start != pos:
-                pads.append((pos, start))
-            pos = start
-        nb = math.prod(s) * dt.itemsize
-        offsets.append(pos)
-        nbytes.append(nb)
-        pos += nb
-    header = np.frombuffer(head, np.uint8)
-    return _RowLayout(codes, dts, shapes, tuple(offsets), tuple(nbytes), header, tuple(pads), pos)
-
-
-@functools.lru_cache(maxsize=256)
-def _row_layout_raw(dtypes: tuple[Any, ...], shapes: tuple[tuple[Any, ...], ...]) -> _RowLayout:
-    codes, shps = _normalize_spec(dtypes, shapes)
-    return _row_layout_norm(codes, shps)
-
-
-def _row_layout(dtypes: Sequence[npt.DTypeLike], shapes: Sequence[Sequence[int]]) -> _RowLayout:
-    try:
-        key_s = tuple(tuple(s) for s in shapes)
-        return _row_layout_raw(tuple(dtypes), key_s)
-    except TypeError:  # unhashable or non-iterable spec: validate it the slow way
-        codes, shps = _normalize_spec(dtypes, shapes)
-        return _row_layout_norm(codes, shps)
-
-
-def encode_rows(
-    arrays: Sequence[Any], dtypes: Sequence[npt.DTypeLike], shapes: Sequence[Sequence[int]]
-) -> list[memoryview]:
-    """Encode a batch of fixed-shape elements into one message per element.
-
-    ``arrays[j]`` has shape ``[B] + shapes[j]`` and dtype ``dtypes[j]`` (either byte
-    order); element ``i`` of the result equals ``encode([a[i] for a in arrays])`` byte for
-    byte. All ``B`` messages live in one ``(B, element_len)`` buffer filled by a few
-    vectorized copies; the result holds memoryviews of its rows.
-
-    Raises:
-        InvalidArgumentError: a bad spec (see :func:`header_bytes`), no components, a
-            component count, shape or batch size that does not match, or a dtype that
-            is not the spec's.
-    """
-    return encode_rows_lazily(arrays, dtypes, shapes).messages()
-
-
-class EncodedRows:
-    """The messages of a batch of fixed-shape elements, made a window of rows at a time
-    (:func:`encode_rows_lazily`): what :func:`encode_rows` gives, back to back, without
-    a copy of the whole batch. The arrays are read when a window is made: they must
-    not change meanwhile."""
-
-    __slots__ = ("_lay", "_srcs", "nbytes", "row_bytes", "rows")
-
-    def __init__(self, lay: _RowLayout, srcs: list[npt.NDArray[Any]], rows: int) -> None:
-        self._lay = lay
-        self._srcs = srcs
-        self.rows = rows
-        self.row_bytes = lay.length
-        #: the size of all the messages together
-        self.nbytes = rows * lay.length
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def encode(self, start: int, stop: int) -> memoryview:
-        """The messages of rows ``start`` to ``stop`` (excluded), back to back, in a new
-        buffer."""
-        lay = self._lay
-        count = stop - start
-        out = np.empty((count, lay.length), np.uint8)
-        out[:, : len(lay.header)] = lay.header
-        for p0, p1 in lay.inner_pads:
-            out[:, p0:p1] = 0
-        for j, a in enumerate(self._srcs):
-            nb = lay.nbytes[j]
-            if nb == 0:
-                continue
-            off = lay.offsets[j]
-            dt = lay.dtypes[j]
-            dst = out[:, off : off + nb]
-            src = a[start:stop]
-            if a.dtype == dt and a.flags.c_contiguous:
-                dst[...] = src.reshape(count, -1).view(np.uint8)
-            else:  # non-contiguous or other byte order: let numpy copy and byte-swap
-                view = np.reshape(dst.view(dt), (count, *lay.shapes[j]), copy=False)
-                view[...] = src
-        return out.data.cast("B")
-
-    def messages(self) -> list[memoryview]:
-        """All the messages, as :func:`encode_rows` gives them (one buffer, its rows)."""
-        if not self.rows:
-            return []
-        length = self.row_bytes
-        flat = self.encode(0, self.rows)
-        return [flat[i : i + length] for i in range(0, self.nbytes, length)]
-
-    def windows(
-        self, max_bytes: int, start: int = 0, count: int | None = None
-    ) -> Iterable[memoryview]:
-        """The messages of ``count`` rows from row ``start`` (all the rest: None) in
-        windows of whole rows of at most ``max_bytes`` (at least one row), each made
-        when it is asked for; every ``iter()`` starts over."""
-        stop = self.rows if count is None else min(self.rows, start + count)
-        step = max(1, max_bytes // max(1, self.row_bytes))
-        return _Windows(self, start, stop, step)
-
-
-class _Windows:
-    __slots__ = ("_rows", "_start", "_step", "_stop")
-
-    def __init__(self, rows: EncodedRows, start: int, stop: int, step: int) -> None:
-        self._rows = rows
-        self._start = start
-        self._stop = stop
-        self._step = step
-
-    def __iter__(self) -> Iterator[memoryview]:
-        rows, stop, step = self._rows, self._stop, self._step
-        for at in range(self._start, stop, step):
-            yield rows.encode(at, min(at + step, stop))
-
-
-def encode_rows_lazily(
-    arrays: Sequence[Any], dtypes: Sequence[npt.DTypeLike], shapes: Sequence[Sequence[int]]
-) -> EncodedRows:
-    """The batch :func:`encode_rows` encodes, checked now and encoded on demand.
-
-    Raises:
-        InvalidArgumentError: as :func:`encode_rows`.
-    """
-    lay = _row_layout(dtypes, shapes)
-    ncomp = len(lay.codes)
-    if len(arrays) != ncomp:
-        raise InvalidArgumentError(f"{len(arrays)} arrays for a spec of {ncomp} components")
-    if ncomp == 0:
-        raise InvalidArgumentError("encode_rows needs at least one component")
-    srcs: list[npt.NDArray[Any]] = []
-    batch = -1
-    for j, x in enumerate(arrays):
-        a = x if type(x) is np.ndarray else _to_numpy(x, j)
-        shape = lay.shapes[j]
-        if a.shape[1:] != shape or a.ndim != len(shape) + 1:
-            raise InvalidArgumentError(
-                f"component {j}: shape {a.shape}, expected [batch] + {list(shape)}"
-            )
-        if batch < 0:
-            batch = a.shape[0]
-        elif a.shape[0] != batch:
-            raise InvalidArgumentError(
-                f"component {j}: batch size {a.shape[0]}, component 0 has {batch}"
-            )
-        if a.dtype != lay.dtypes[j]:
-            code = _CODE_BY_DTYPE.get(a.dtype)
-            if code is None and a.dtype.kind in "biuf":
-                code = _CODE_BY_DTYPE.get(a.dtype.newbyteorder("<"))
-            if code != lay.codes[j]:
-                raise InvalidArgumentError(
-                    f"component {j}: dtype {a.dtype}, the spec says {lay.dtypes[j]}"
-                )
-        srcs.append(a)
-    return EncodedRows(lay, srcs, max(batch, 0))
-
-
-def decode_rows(
-    blobs: Sequence[bytes | bytearray | memoryview],
-    dtypes: Sequence[npt.DTypeLike],
-    shapes: Sequence[Sequence[int]],
-    joined: bytes | bytearray | memoryview | None = None,
-) -> list[npt.NDArray[Any]] | None:
-    """Decode a batch of element messages of one fixed-shape spec into batch arrays.
-
-    Returns one C-contiguous, writable array of shape ``[B] + shapes[j]`` per component,
-    or ``None`` when any blob is not exactly the message :func:`encode_rows` would write
-    for the spec (other length, header or padding, or bool bytes other than 0/1); the
-    caller then decodes the blobs one by one with :func:`decode`, which names the error.
-    ``joined``: the blobs back to back in one buffer, if the caller has it (saves a copy).
-
-    Raises:
-        InvalidArgumentError: a bad spec (see :func:`header_bytes`).
-    """
-    lay = _row_layout(dtypes, shapes)
-    batch = len(blobs)
-    if batch == 0:
-        return [np.empty((0, *s), dt) for dt, s in zip(lay.dtypes, lay.shapes, strict=True)]
-    length = lay.length
-    if set(map(len, blobs)) != {length}:
-        return None
-    if joined is not None and len(joined) == batch * length:
-        data: Any = joined
-    elif length >= _ROWWISE_MIN_BYTES:  # large elements: no joined copy of the batch
-        return _decode_rowwise(lay, blobs)
-    else:
-        data = b"".join(blobs)
-    rows = np.frombuffer(data, np.uint8).reshape(batch, length)
-    hlen = len(lay.header)
-    if not (rows[:, :hlen] == lay.header).all():
-        return None
-    for p0, p1 in lay.inner_pads:
-        if rows[:, p0:p1].any():
-            return None
-    result: list[npt.NDArray[Any]] = []
-    for dt, shape, off, nb in zip(lay.dtypes, lay.shapes, lay.offsets, lay.nbytes, strict=True):
-        arr = np.empty((batch, *shape), dt)
-        if nb:
-            arr.reshape(batch, -1).view(np.uint8)[...] = rows[:, off : off + nb]
-            if dt.kind == "b" and arr.view(np.uint8).max() > 1:
-                return None
-        result.append(arr)
-    return result
-
-
-#: decode_rows copies elements of at least this many bytes one at a time into the batch
-#: arrays rather than join them first (a copy of the whole batch more).
-_ROWWISE_MIN_BYTES = 64 << 10
-
-
-def _decode_rowwise(
-    lay: _RowLayout, blobs: Sequence[bytes | bytearray | memoryview]
-) -> list[npt.NDArray[Any]] | None:
-    """:func:`decode_rows` of blobs of the right length, one element at a time."""
-    batch = len(blobs)
-    hlen = len(lay.header)
-    result = [np.empty((batch, *s), dt) for dt, s in zip(lay.dtypes, lay.shapes, strict=True)]
-    flats = [a.reshape(batch, -1).view(np.uint8) for a in result]
-    for i, blob in enumerate(blobs):
-        row = np.frombuffer(blob, np.uint8)
-        if not (row[:hlen] == lay.header).all():
-            return None
-        for p0, p1 in lay.inner_pads:
-            if row[p0:p1].any():
-                return None
-        for flat, off, nb in zip(flats, lay.offsets, lay.nbytes, strict=True):
-            if nb:
-                flat[i] = row[off : off + nb]
-    for arr, dt, nb in zip(result, lay.dtypes, lay.nbytes, strict=True):
-        if nb and dt.kind == "b" and arr.view(np.uint8).max() > 1:
-            return None
-    return result
 
 
 # --------------------------------------------------------------------------- helpers
