@@ -30,17 +30,37 @@ import collections
 import socket
 import ssl
 import sys
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import hiredis
 
 from qps.errors import UnavailableError
+from qps.resp_bulk import BulkReader
+from qps.resp_codec import (
+    LARGE_ARG,
+    Arg,
+    Pieces,
+    ReplyError,
+    _hiredis_pack,
+    _pack_all,
+    pack_command,
+)
 
-#: Arguments of at least this many bytes given as ``memoryview`` or ``bytearray`` are
-#: written as they are, after their header, instead of being copied into the command.
-LARGE_ARG = 1 << 16
+__all__ = [
+    "LARGE_ARG",
+    "STREAM_SLICE",
+    "Arg",
+    "BulkReader",
+    "Connection",
+    "Endpoint",
+    "Pieces",
+    "ReplyError",
+    "open_bulk_reader",
+    "open_connection",
+    "pack_command",
+]
 
 #: A streamed write (:meth:`Connection.stream_many`) hands large buffers to the
 #: transport in slices of this many bytes, and waits for its buffer to drain between them.
@@ -54,18 +74,6 @@ KEEPALIVE_OPTIONS: dict[int, int] = {
 }
 
 _WRITELINES_GATHERS = sys.version_info >= (3, 12)  # selector transports use sendmsg
-
-Arg = bytes | bytearray | memoryview | str | int | float
-
-
-class ReplyError(Exception):
-    """An error reply from the server (``-ERR ...``, ``-NOSCRIPT ...``, ...)."""
-
-    @property
-    def code(self) -> str:
-        """The error's first word: ``ERR``, ``NOSCRIPT``, ``WRONGTYPE``, ``LOADING``..."""
-        text = str(self)
-        return text.split(" ", 1)[0] if text else ""
 
 
 @dataclass(frozen=True)
@@ -88,139 +96,6 @@ class Endpoint:
     def describe(self) -> str:
         where = f"unix://{self.path}" if self.path else f"{self.host}:{self.port}"
         return f"{where} db {self.db}" if self.db else where
-
-
-# -- packing -------------------------------------------------------------------------------
-
-_hiredis_pack = hiredis.pack_command
-
-
-class Pieces:
-    """One command argument of ``nbytes`` bytes given as the buffers ``parts`` yields,
-    in order: a value that is never joined into one buffer (a chunk that spans an
-    element's header and its data, a batch encoded a window at a time).
-
-    :meth:`Connection.stream_many` writes each part as it comes, so ``parts`` may make
-    them on demand; other writers take them all at once (or :meth:`join` them, for
-    redis-py). ``parts`` is iterated once per write: a write that may be made again (a
-    cluster's redirection) needs one that starts over on each ``iter()``, not a
-    generator.
-    """
-
-    __slots__ = ("_parts", "nbytes")
-
-    def __init__(self, nbytes: int, parts: Iterable[Any]) -> None:
-        self.nbytes = nbytes
-        self._parts = parts
-
-    def __iter__(self) -> Iterator[memoryview]:
-        for part in self._parts:
-            view = part if isinstance(part, memoryview) else memoryview(part)
-            yield view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-    def join(self) -> bytes:
-        """The value as one bytes object (a copy)."""
-        data = b"".join(self)
-        if len(data) != self.nbytes:
-            raise ValueError(f"pieces of {len(data)} bytes for a value of {self.nbytes}")
-        return data
-
-
-def _as_bytes(arg: Any) -> bytes | memoryview:
-    """One argument as a flat byte buffer (a large buffer is not copied)."""
-    cls = arg.__class__
-    if cls is bytes:
-        return arg  # type: ignore[no-any-return]
-    if cls is str:
-        return arg.encode("utf-8")  # type: ignore[no-any-return]
-    if cls is int:
-        return b"%d" % arg
-    if isinstance(arg, (memoryview, bytearray)):
-        view = memoryview(arg)
-        if not view.c_contiguous:
-            return view.tobytes()
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        return view if view.nbytes >= LARGE_ARG else view.tobytes()
-    if isinstance(arg, bytes):  # subclasses, e.g. numpy.bytes_
-        return bytes(arg)
-    if isinstance(arg, str):
-        return str.encode(arg, "utf-8")
-    if isinstance(arg, float):
-        return repr(float(arg)).encode("ascii")
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        return b"%d" % int(arg)
-    raise TypeError(
-        f"invalid Redis command argument of type {cls.__name__}: "
-        "use bytes, bytearray, memoryview, str, int or float"
-    )
-
-
-def pack_command(args: Sequence[Arg], pieces: bool = False) -> list[Any]:
-    """The RESP encoding of one command, as a list of buffers to write in order.
-
-    Small arguments are joined into bytes; a ``memoryview``/``bytearray`` of at least
-    :data:`LARGE_ARG` bytes is its own item, between its header and the next (no copy);
-    so is each buffer of a :class:`Pieces`, or (``pieces``) the :class:`Pieces` itself.
-    """
-    out: list[Any] = []
-    head = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, Pieces):
-            head.append(b"$%d\r\n" % arg.nbytes)
-            out.append(b"".join(head))
-            if pieces:
-                out.append(arg)
-            else:
-                size = len(out)
-                out.extend(arg)
-                if sum(p.nbytes for p in out[size:]) != arg.nbytes:
-                    raise TypeError(f"Pieces do not add up to the {arg.nbytes} bytes declared")
-            head = [b"\r\n"]
-            continue
-        data = _as_bytes(arg)
-        if isinstance(data, memoryview):
-            head.append(b"$%d\r\n" % data.nbytes)
-            out.append(b"".join(head))
-            out.append(data)
-            head = [b"\r\n"]
-        else:
-            head.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    out.append(b"".join(head))
-    return out
-
-
-def _pack(args: tuple[Any, ...]) -> bytes | list[bytes | memoryview]:
-    """One command: bytes from hiredis' C packer when it takes every argument (bytes,
-    str, int, float), else :func:`pack_command`'s list of buffers. Memoryviews always go
-    to :func:`pack_command`, which writes large ones without copying (hiredis copies
-    them, slowly: about 160 µs for 400 KB), and so do bytes of :data:`LARGE_ARG` or more
-    (hiredis took 1.25 ms for a 1 MiB value, pack_command 0.13 ms)."""
-    for a in args:
-        cls = type(a)
-        if cls is memoryview or (cls is bytes and len(a) >= LARGE_ARG):
-            return pack_command(args)
-    try:
-        return _hiredis_pack(args)  # type: ignore[no-any-return]
-    except TypeError:
-        return pack_command(args)
-
-
-# -- the connection ------------------------------------------------------------------------
-
-
-def _pack_all(commands: Iterable[Sequence[Any]]) -> tuple[list[bytes | memoryview], int]:
-    """Several commands packed for one write, and how many there are."""
-    parts: list[bytes | memoryview] = []
-    count = 0
-    for command in commands:
-        data = _pack(tuple(command))
-        if isinstance(data, bytes):
-            parts.append(data)
-        else:
-            parts.extend(data)
-        count += 1
-    return parts, count
 
 
 class _Batch:
@@ -638,201 +513,6 @@ async def open_connection(ep: Endpoint, *, name: str = "") -> Connection:
         if isinstance(exc, (OSError, ssl.SSLError)) and not isinstance(exc, UnavailableError):
             raise UnavailableError(f"cannot connect to Redis at {ep.describe()}: {exc}") from exc
         raise
-
-
-# -- bulk reads straight into the caller's buffers ------------------------------------------
-
-
-class BulkReader(asyncio.BufferedProtocol):
-    """A connection that reads ``GET`` replies straight into buffers given by the caller:
-    the kernel copies each value's bytes into its place, and nothing else does (no
-    hiredis buffer, no bytes objects, no join). Used for the chunks of large elements.
-
-    Build one with :func:`open_bulk_reader`. One :meth:`get_into` at a time; a call that
-    fails or is cancelled leaves the connection closed (its reply stream is unknown).
-    """
-
-    SCRATCH = 1 << 16
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "") -> None:
-        self._loop = loop
-        self._name = name
-        self._transport: asyncio.Transport | None = None
-        self._scratch = bytearray(self.SCRATCH)
-        self._view = memoryview(self._scratch)
-        self._fill = 0  # bytes of scratch holding unparsed input
-        self._skip = 0  # bytes still to drop: the CRLF after a value
-        self._targets: Sequence[memoryview] = ()
-        self._results: list[int | None] = []
-        self._body: memoryview | None = None  # where the current value's rest goes
-        self._discard = 0  # bytes of a value that fits no target, still to drop
-        self._error: ReplyError | None = None
-        self._future: asyncio.Future[list[int | None]] | None = None
-        self._failure: str | None = None
-
-    @property
-    def closed(self) -> bool:
-        return self._failure is not None
-
-    # -- protocol ---------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # an asyncio.Transport, or one of the same interface (uvloop's is no subclass)
-        self._transport = cast(asyncio.Transport, transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._body is not None:
-            return self._body
-        if self._discard:
-            return self._view[: min(self._discard, self.SCRATCH)]
-        return self._view[self._fill :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        try:
-            if self._body is not None:
-                self._body = self._body[nbytes:] if nbytes < len(self._body) else None
-                if self._body is None:
-                    self._skip = 2
-            elif self._discard:
-                self._discard -= nbytes
-                if not self._discard:
-                    self._skip = 2
-            else:
-                self._fill += nbytes
-                self._parse()
-        except (ValueError, IndexError) as exc:
-            self._fail(f"Redis protocol error on {self._name}: {exc}")
-            self._close_transport()
-
-    def _parse(self) -> None:
-        """Consume what scratch holds: CRLF to skip, reply headers, value bytes that
-        came in with a header."""
-        data, pos, fill = self._scratch, 0, self._fill
-        while pos < fill:
-            if self._skip:
-                take = min(self._skip, fill - pos)
-                self._skip -= take
-                pos += take
-                continue
-            if self._future is None or len(self._results) >= len(self._targets):
-                raise ValueError("a reply nobody asked for")
-            end = data.find(b"\r\n", pos, fill)
-            if end < 0:
-                if pos == 0 and fill == len(data):
-                    raise ValueError("a reply header longer than 64 KiB")
-                break
-            kind, line = data[pos], bytes(data[pos + 1 : end])
-            pos = end + 2
-            if kind == 0x24:  # '$': a bulk string
-                n = int(line)
-                if n < 0:
-                    self._results.append(None)
-                    continue
-                target = self._targets[len(self._results)]
-                fits = len(target) == n
-                self._results.append(n if fits else -1)
-                take = min(n, fill - pos)
-                if fits:
-                    target[:take] = data[pos : pos + take]
-                pos += take
-                if take < n:  # the rest comes straight into the target (or is dropped)
-                    if fits:
-                        self._body = target[take:]
-                    else:
-                        self._discard = n - take
-                    break
-                self._skip = 2
-            elif kind == 0x2D:  # '-': an error reply
-                self._results.append(-1)
-                if self._error is None:
-                    self._error = ReplyError(line.decode("utf-8", "replace"))
-            elif kind in (0x3A, 0x2B):  # ':' or '+': an integer or status (UNLINK, OK)
-                self._results.append(-1)
-            else:
-                raise ValueError(f"unexpected reply type {chr(kind)!r}")
-        rest = fill - pos
-        if rest and pos:
-            data[:rest] = data[pos:fill]
-        self._fill = rest
-        self._settle()
-
-    def _settle(self) -> None:
-        fut = self._future
-        if (
-            fut is not None
-            and len(self._results) == len(self._targets)
-            and self._body is None
-            and not self._discard
-            and not self._skip
-        ):
-            self._future = None
-            if fut.done():
-                return
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                fut.set_result(self._results)
-
-    def eof_received(self) -> bool | None:
-        self._fail(f"Redis closed the connection {self._name}")
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        reason = f": {exc}" if exc is not None else ""
-        self._fail(f"lost the Redis connection {self._name}{reason}")
-        self._transport = None
-
-    def _fail(self, why: str) -> None:
-        if self._failure is not None:
-            return
-        self._failure = why
-        fut, self._future = self._future, None
-        if fut is not None and not fut.done():
-            fut.set_exception(UnavailableError(why))
-
-    def _close_transport(self) -> None:
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            transport.abort()
-
-    def close(self) -> None:
-        """Close now; a pending :meth:`get_into` raises UnavailableError. Idempotent."""
-        self._fail(f"the Redis connection {self._name} was closed")
-        self._close_transport()
-
-    # -- the one call -----------------------------------------------------------------
-    async def get_into(
-        self, keys: Sequence[Arg], targets: Sequence[memoryview]
-    ) -> list[int | None]:
-        """``GET`` every key in one round trip, each value read into its target.
-
-        Returns, per key: the value's length (it filled its target), None (no such
-        key) or -1 (a value whose length is not its target's: its bytes were dropped).
-
-        Raises:
-            ReplyError: the server answered a GET with an error (after every reply).
-            UnavailableError: the connection is, or went, down.
-        """
-        if self._failure is not None:
-            raise UnavailableError(self._failure)
-        if self._future is not None:
-            raise RuntimeError("BulkReader.get_into: a call is already running")
-        if len(keys) != len(targets):
-            raise ValueError("get_into: one target per key")
-        if not keys:
-            return []
-        fut: asyncio.Future[list[int | None]] = self._loop.create_future()
-        self._targets = [t if t.format == "B" and t.ndim == 1 else t.cast("B") for t in targets]
-        self._results = []
-        self._error = None
-        self._future = fut
-        assert self._transport is not None
-        self._transport.write(b"".join(_hiredis_pack((b"GET", k)) for k in keys))  # type: ignore[arg-type]
-        try:
-            return await fut
-        except BaseException:
-            if not fut.done() or self._future is fut:  # cancelled mid-read: stream unknown
-                self.close()
-            raise
 
 
 async def open_bulk_reader(ep: Endpoint, *, name: str = "") -> BulkReader:

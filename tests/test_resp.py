@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import qps
-from qps import resp, transport
+from qps import resp, resp_codec, transport
 from qps.embedded import find_server_binary
 from qps.errors import DeadlineExceededError, InternalError, UnavailableError
 from tests.conftest import until
@@ -182,7 +182,7 @@ def test_pack_every_argument_type() -> None:
     )
     assert _flat(resp.pack_command(args)) == want
     # what the connection writes: hiredis' packer where it takes every argument
-    assert _flat([resp._pack((b"SET", "k\u00e9", -42, 0.5))]) == _flat(
+    assert _flat([resp_codec._pack((b"SET", "k\u00e9", -42, 0.5))]) == _flat(
         resp.pack_command((b"SET", "k\u00e9", -42, 0.5))
     )
     for bad in (None, True, object(), [b"x"]):
@@ -195,12 +195,12 @@ def test_pack_large_bytes_the_same_without_hiredis() -> None:
     # give the same bytes on the wire; smaller commands still take it
     big = bytes(range(256)) * (resp.LARGE_ARG // 256)
     args = (b"SET", "k", big, b"PX", 600000)
-    packed = resp._pack(args)
+    packed = resp_codec._pack(args)
     assert isinstance(packed, list)  # pack_command's buffers, not hiredis' bytes
-    assert _flat(packed) == resp._hiredis_pack(args)
+    assert _flat(packed) == resp_codec._hiredis_pack(args)
     small = (b"SET", "k", big[:-1])
-    assert isinstance(resp._pack(small), bytes)
-    assert resp._pack(small) == _flat(resp.pack_command(small))
+    assert isinstance(resp_codec._pack(small), bytes)
+    assert resp_codec._pack(small) == _flat(resp.pack_command(small))
 
 
 def test_pack_large_buffers_are_not_copied() -> None:
