@@ -62,18 +62,3 @@ class Script:
     def call(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
         """The ``EVALSHA`` command that runs it on ``keys`` and ``args``."""
         return (b"EVALSHA", self.sha, len(keys), *keys, *args)
-
-
-async def pipeline_script(
-    client: Any, pipe: Any, script: Any, keys: Sequence[Any], args: Sequence[Any]
-) -> None:
-    """Queue redis-py ``Script`` ``script`` on pipeline ``pipe`` of ``client.commands``.
-
-    On a single server this is ``script(keys, args, client=pipe)`` (redis-py loads the
-    script before the pipeline runs). redis-py's cluster pipeline cannot run scripts
-    that way: there it is queued as ``EVAL`` with the source, which needs no loading
-    (the keys of one qps script share one slot, which picks the node)."""
-    if client.cluster:
-        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    else:
-        await script(keys=keys, args=args, client=pipe)

@@ -45,7 +45,6 @@ from qps.redis_client import BLOCK_SECONDS, Arg, Client, ScriptArgs
 from qps.redis_cluster import ClusterClient, cluster_enabled, connect_cluster
 from qps.redis_errors import is_noscript, map_errors, translate
 from qps.redis_scripts import Script as _Script
-from qps.redis_scripts import pipeline_script
 from qps.redis_url import (
     CLUSTER_ENV,
     URL_ENV,
@@ -76,7 +75,6 @@ __all__ = [
     "is_noscript",
     "lean_endpoint",
     "map_errors",
-    "pipeline_script",
     "redact_url",
     "split_cluster_param",
     "translate",
