@@ -535,7 +535,7 @@ async def test_a_push_undone_during_a_partition_is_sent_again(
     await qps.ps.configure(sess.client, C, 1, SGD(learning_rate=1.0), queue_capacity=1)
     await sess.variable("w", (1,), np.float64, initializer="zeros").create()
     await sess.push({"w": np.ones(1)})  # the queue is full: no shard runs yet
-    monkeypatch.setattr(queue_base, "LEASE_MS", 1)  # every wait outlives its lease
+    monkeypatch.setattr("qps.queues.waiters.LEASE_MS", 1)  # every wait outlives its lease
     push = asyncio.create_task(sess.push({"w": np.ones(1)}))
 
     async def undone() -> bool:
