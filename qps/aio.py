@@ -26,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["in_daemon_thread", "shielded", "wait_event"]
+__all__ = ["in_daemon_thread", "shielded", "unless_stopped", "wait_event"]
 
 T = TypeVar("T")
 
@@ -45,6 +45,20 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
         if not waiter.done():
             waiter.cancel()
     return event.is_set()
+
+
+async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T]:
+    """Run ``aw`` until it ends or ``stop`` is set, whichever comes first; the other is
+    cancelled and awaited. Returns ``aw``'s future: done (its result or exception, for
+    the caller to read or leave) or cancelled (``stop`` came first)."""
+    run = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not run.done():
+        run.cancel()
+    await asyncio.gather(run, stopped, return_exceptions=True)
+    return run
 
 
 async def shielded(aw: Awaitable[T]) -> T:

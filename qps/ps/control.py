@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 
 from qps import keys, placement, varcheck, wire
+from qps.aio import unless_stopped
 from qps.containers import Counter
 from qps.errors import (
     CancelledError,
@@ -246,13 +247,7 @@ async def wait_for_optimizer(
         cfg = await read_config(client, container)
         if cfg is not None and cfg.optimizer is not None:
             return cfg
-        pop = asyncio.ensure_future(client.blocking.blpop([wake], OPTIMIZER_WAKE_SECONDS))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({pop, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if not pop.done():
-            pop.cancel()
-        await asyncio.gather(pop, stopped, return_exceptions=True)
+        pop = await unless_stopped(client.blocking.blpop([wake], OPTIMIZER_WAKE_SECONDS), stop)
         if not pop.cancelled():
             with map_errors():
                 pop.result()  # an error of the connection: raised, translated

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from qps import keys, varcheck
+from qps.aio import unless_stopped
 from qps.containers import Counter
 from qps.errors import FailedPreconditionError
 from qps.owners import owner_is_dead
@@ -104,13 +105,7 @@ class ShardLease:
 
     async def _standby(self, stop: asyncio.Event, wait: float) -> None:
         """Block on the wake list for up to ``wait`` s, or until ``stop`` is set."""
-        blpop = asyncio.ensure_future(self.client.blocking.blpop([self._keys[1]], wait))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({blpop, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if not blpop.done():
-            blpop.cancel()
-        await asyncio.gather(blpop, stopped, return_exceptions=True)
+        await unless_stopped(self.client.blocking.blpop([self._keys[1]], wait), stop)
 
     async def renew(self) -> str | None:
         """Extend the lease; None if it took, else the value now held ('' if none).
