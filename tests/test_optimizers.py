@@ -315,7 +315,7 @@ def test_blocked_apply_equals_whole_array_apply(config, monkeypatch):
     """Large NumPy arrays are updated in cache-sized blocks; the result is bit-identical
     to one whole-array pass, for dense updates and for TF1 Adam's all-rows sparse pass.
     Non-contiguous arrays take the whole-array path."""
-    from qps import optimizers
+    from qps import optimizer_base
 
     name, hp = config
     opt = make_optimizer(name, **hp)
@@ -325,7 +325,7 @@ def test_blocked_apply_equals_whole_array_apply(config, monkeypatch):
     idx, vals = np.array([1, 4, 4, 8]), rng.normal(size=(4, 7))
 
     def run(block: int, layout: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
-        monkeypatch.setattr(optimizers, "BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(optimizer_base, "BLOCK_ELEMENTS", block)
         var = layout(w0.copy())
         slots = {k: layout(v) for k, v in opt.init_slots(var).items()}
         for t, g in enumerate(grads, 1):
@@ -732,9 +732,9 @@ needs_gpu = pytest.mark.skipif(not backend.gpu_available(), reason="needs CuPy a
 def test_cupy_matches_numpy(config, dtype, fused, monkeypatch):
     import cupy as cp
 
-    from qps import optimizers
+    from qps import optimizer_base
 
-    monkeypatch.setattr(optimizers, "use_fused_kernels", fused)
+    monkeypatch.setattr(optimizer_base, "use_fused_kernels", fused)
     name, hp = config
     opt = make_optimizer(name, **hp)
     rng = np.random.default_rng(7)
