@@ -50,14 +50,17 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
 async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T]:
     """Run ``aw`` until it ends or ``stop`` is set, whichever comes first; the other is
     cancelled and awaited. Returns ``aw``'s future: done (its result or exception, for
-    the caller to read or leave) or cancelled (``stop`` came first)."""
+    the caller to read or leave) or cancelled (``stop`` came first). A cancellation of
+    the caller cancels ``aw`` too."""
     run = asyncio.ensure_future(aw)
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not run.done():
-        run.cancel()
-    await asyncio.gather(run, stopped, return_exceptions=True)
+    try:
+        await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when the caller is cancelled: neither is left running
+        stopped.cancel()
+        if not run.done():
+            run.cancel()
+        await asyncio.gather(run, stopped, return_exceptions=True)
     return run
 
 

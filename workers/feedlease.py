@@ -3,8 +3,8 @@
 The lease is a key holding its feeder's owner string (:func:`qps.owners.default_owner`)
 with a time to live of :data:`FEED_LEASE_MS`, renewed in the background and before each
 chunk. Another feeder waits for it, blocked in Redis on a wake list that a release
-pushes to, or takes it over at once from a dead process of this host. Its script is
-``qps/lua/workers/feed_lease.lua``.
+pushes to, or takes it over at once from a dead process of this host: a
+:class:`qps.lease.Lease`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from qps import keys
+from qps.aio import unless_stopped
 from qps.errors import AbortedError, QpsError
-from qps.owners import owner_is_dead
-from qps.registry import text_of
-from qps.transport import BLOCK_SECONDS, Client
+from qps.lease import Lease
+from qps.transport import Client
 from workers.input import Coordinator
 
 __all__ = ["FEED_LEASE_MS", "FeedLease", "until_stop"]
@@ -34,24 +34,9 @@ FEED_LEASE_MS = 10_000
 
 async def until_stop(aw: Awaitable[T], coord: Coordinator) -> tuple[bool, T | None]:
     """Await ``aw`` unless a stop is requested first; then cancel it. Returns
-    ``(finished, result)``."""
-    task = asyncio.ensure_future(aw)
-    stopper = asyncio.ensure_future(coord.wait_for_stop())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        stopper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopper
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False, None
+    ``(finished, result)``; ``aw``'s exception, if it failed, is raised."""
+    run = await unless_stopped(aw, coord.stop_event)
+    return (False, None) if run.cancelled() else (True, run.result())
 
 
 class FeedLease:
@@ -59,14 +44,9 @@ class FeedLease:
 
     def __init__(self, client: Client, container: str, queue: str, owner: str) -> None:
         prefix = keys.feed_prefix(container, queue)
-        self.keys = [prefix + "owner", prefix + "wake"]
-        self.client, self.owner, self.queue = client, owner, queue
+        self.lease = Lease(client, prefix + "owner", owner, FEED_LEASE_MS, prefix + "wake")
+        self.queue = queue
         self.lost: str | None = None  # who took it from us
-
-    async def _call(self, *args: Any) -> tuple[str, list[Any]]:
-        """The script's status word and the rest of its reply."""
-        reply = await self.client.run_script("workers/feed_lease", self.keys, list(args))
-        return text_of(reply[0]), list(reply[1:])
 
     async def acquire(self, coord: Coordinator) -> bool:
         """Take the lease, taking it over at once from a dead process of this host,
@@ -74,37 +54,33 @@ class FeedLease:
         is requested first."""
         announced = False
         while not coord.should_stop():
-            status, rest = await self._call("take", self.owner, FEED_LEASE_MS)
-            if status == "ok":
+            held = await self.lease.take()
+            if held is None:
                 return True
-            held, pttl = text_of(rest[0]), int(rest[1])
-            if owner_is_dead(held):
-                status, _ = await self._call("takeover", self.owner, FEED_LEASE_MS, held)
-                if status == "ok":
+            if self.lease.dead(held):
+                if await self.lease.take(replace=held.value) is None:
                     log.info(
-                        "took over the feed into '%s' from %s, a dead process", self.queue, held
-                    )
+                        "took over the feed into '%s' from %s, a dead process",
+                        self.queue, held.value,
+                    )  # fmt: skip
                     return True
                 continue
             if not announced:
                 log.info(
                     "the feed into '%s' is run by %s: waiting until it ends or its lease "
                     "(%d ms left) runs out",
-                    self.queue,
-                    held,
-                    pttl,
-                )
+                    self.queue, held.value, held.pttl,
+                )  # fmt: skip
                 announced = True
-            wait = min(max(pttl, 10) / 1000.0, BLOCK_SECONDS)
-            await until_stop(self.client.blocking.blpop([self.keys[1]], wait), coord)
+            await self.lease.wait(held, coord.stop_event)
         return False
 
     async def check(self) -> None:
         """Renew the lease; raises AbortedError if another feeder took it."""
         if self.lost is None:
-            status, rest = await self._call("renew", self.owner, FEED_LEASE_MS)
-            if status != "ok":
-                self.lost = text_of(rest[0]) or "nobody (it ran out)"
+            holder = await self.lease.renew()
+            if holder is not None:
+                self.lost = holder or "nobody (it ran out)"
         if self.lost is not None:
             raise AbortedError(
                 f"the feed into '{self.queue}' was taken over by {self.lost} while this "
@@ -124,4 +100,4 @@ class FeedLease:
 
     async def release(self) -> None:
         with contextlib.suppress(QpsError):
-            await self._call("release", self.owner, FEED_LEASE_MS)
+            await self.lease.release()

@@ -42,8 +42,8 @@ from typing import Any
 from qps import checkpoint, keys, owners
 from qps.containers import reset, scan_container_keys
 from qps.errors import FailedPreconditionError, NotFoundError
+from qps.lease import Lease
 from qps.ps import control
-from qps.registry import text_of
 from qps.stopping import Stopped, Stopper
 from qps.transport import Client
 from workers import job
@@ -81,6 +81,19 @@ def lease_key(container: str) -> str:
     return keys.container_prefix(keys.check_container(container)) + "job:launcher"
 
 
+def _record(value: str) -> dict[str, Any]:
+    """A launcher's lease record (its JSON); ``{"owner": value}`` if it is not one."""
+    try:
+        record = json.loads(value)
+    except ValueError:
+        return {"owner": value}
+    return record if isinstance(record, dict) else {"owner": value}
+
+
+def _owner_in_record(value: str) -> str:
+    return str(_record(value).get("owner", ""))
+
+
 def describe_holder(record: dict[str, Any], ttl_ms: int | None = None) -> str:
     """``qps train on host H, pid P, since 06:21:03 UTC`` for a lease record."""
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(record.get("since", 0))))
@@ -107,14 +120,9 @@ class LauncherLease:
             "command": command,
         }
         self.value = json.dumps(self.record, sort_keys=True)
+        self._lease = Lease(client, self.key, self.value, LEASE_MS, owner_of=_owner_in_record)
         self._renewer: asyncio.Task[None] | None = None
         self.lost: str | None = None  # why the lease was lost while held
-
-    async def _acquire(self, expected: str) -> tuple[bool, str]:
-        ok, holder = await self.client.run_script(
-            "workers/launcher_acquire", [self.key], [self.value, LEASE_MS, expected]
-        )
-        return bool(int(ok)), text_of(holder)
 
     async def acquire(self) -> str | None:
         """Take the lease: free, expired, ours, or held by a launcher of this host that
@@ -125,19 +133,15 @@ class LauncherLease:
             FailedPreconditionError: a live launcher (or one elsewhere whose lease has
                 not run out) runs a job in the container; the message names it.
         """
-        ok, holder = await self._acquire(self.value)
-        if ok:
+        held = await self._lease.take()
+        if held is None:
             return None
-        try:
-            theirs = json.loads(holder)
-        except ValueError:
-            theirs = {"owner": holder}
-        if owners.owner_is_dead(str(theirs.get("owner", ""))):
-            ok, again = await self._acquire(holder)
-            if ok:
-                log.info("took over the lease of a gone launcher: %s", holder)
-                return holder
-            theirs = json.loads(again)
+        if self._lease.dead(held):
+            gone, held = held.value, await self._lease.take(replace=held.value)
+            if held is None:
+                log.info("took over the lease of a gone launcher: %s", gone)
+                return gone
+        theirs = _record(held.value)
         here = theirs.get("host") == socket.gethostname()  # and alive: no lease to wait out
         holder = describe_holder(theirs, None if here else LEASE_MS)
         raise FailedPreconditionError(
@@ -153,17 +157,11 @@ class LauncherLease:
         Raises:
             FailedPreconditionError: another launcher took it meanwhile.
         """
-        ok, holder = await self._acquire(self.value)
-        if not ok:
+        held = await self._lease.take()
+        if held is not None:
             raise FailedPreconditionError(
-                f"container '{self.container}': another launcher took it over: {holder}"
+                f"container '{self.container}': another launcher took it over: {held.value}"
             )
-
-    async def _renew(self, ttl: str) -> bool:
-        reply = await self.client.run_script(
-            "workers/launcher_renew", [self.key], [self.value, ttl]
-        )
-        return bool(int(reply))
 
     def start_renewing(self) -> None:
         """Renew the lease every :data:`RENEW_SECONDS` until :meth:`release`."""
@@ -172,7 +170,7 @@ class LauncherLease:
             while True:
                 await asyncio.sleep(RENEW_SECONDS)
                 try:
-                    if await self._renew(str(LEASE_MS)):
+                    if await self._lease.renew() is None:
                         continue
                     await self.reassert()  # gone (a reset): set it again
                 except FailedPreconditionError as exc:
@@ -198,7 +196,7 @@ class LauncherLease:
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
-        await _bounded(self._renew(""), RELEASE_SECONDS)
+        await _bounded(self._lease.release(), RELEASE_SECONDS)
 
 
 @dataclass

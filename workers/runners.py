@@ -94,6 +94,12 @@ class Coordinator:
         """Whether a stop was requested."""
         return self._stop.is_set()
 
+    @property
+    def stop_event(self) -> asyncio.Event:
+        """The event set when a stop is requested (to wait on beside other work, e.g.
+        with :func:`qps.aio.unless_stopped`; set it only through :meth:`request_stop`)."""
+        return self._stop
+
     async def wait_for_stop(self, timeout: float | None = None) -> bool:
         """Wait until a stop is requested or ``timeout`` seconds pass; return
         :meth:`should_stop`."""

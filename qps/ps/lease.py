@@ -4,22 +4,20 @@ every lease gets a larger one). While another copy holds it, a standby blocks in
 ``BLPOP`` on ``qps:{C/ps/i}:wake`` (pushed when a holder releases), never polling; a
 holder that is a dead process of this host is taken over at once. The holder renews it
 every third of its length (:meth:`ShardLease.renew`, called by the shard's renewal
-loop). The script is ``qps/lua/ps/lease.lua``."""
+loop). It is a :class:`qps.lease.Lease` whose value carries the fencing token."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from qps import keys, varcheck
-from qps.aio import unless_stopped
 from qps.containers import Counter
 from qps.errors import FailedPreconditionError
+from qps.lease import Lease
 from qps.owners import owner_is_dead
 from qps.ps.status import check_lease
-from qps.registry import text_of
-from qps.transport import BLOCK_SECONDS, Client
+from qps.transport import Client
 
 __all__ = ["LeaseLostError", "ShardLease", "dead_holder"]
 
@@ -29,12 +27,17 @@ class LeaseLostError(FailedPreconditionError):
     fenced its variables): it stops writing and exits."""
 
 
+def _owner(value: str) -> str:
+    """The owner in a lease value ``<token> <owner>`` ('' if it has none)."""
+    parts = value.split(" ", 1)
+    return parts[1] if len(parts) == 2 else ""
+
+
 def dead_holder(value: str) -> bool:
     """Whether the lease value ``value`` (``<token> <owner>``) names a shard process of
     this host and PID namespace that no longer exists: its lease can be taken over at
     once instead of waiting for it to expire (see :func:`qps.owners.owner_is_dead`)."""
-    parts = value.split(" ", 1)
-    return len(parts) == 2 and owner_is_dead(parts[1])
+    return owner_is_dead(_owner(value))
 
 
 class ShardLease:
@@ -54,18 +57,17 @@ class ShardLease:
         self.client = client
         self.container = container
         self.owner = owner
-        self.ms = ms
         self.log = log
         prefix = keys.ps_prefix(container, shard)
         self.key = prefix + "lease"
-        self._keys = [self.key, prefix + "wake"]
+        self._lease = Lease(client, self.key, "", ms, prefix + "wake", _owner)
         self.token = 0
-        self.value = ""
         self.takeover: str | None = None
 
-    async def _script(self, *args: Any) -> Any:
-        with varcheck.naming(self.key):
-            return await self.client.run_script("ps/lease", self._keys, args)
+    @property
+    def value(self) -> str:
+        """``"<token> <owner>"`` once taken."""
+        return self._lease.value
 
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Take the lease (waiting as a standby while another copy holds it); False if
@@ -73,39 +75,33 @@ class ShardLease:
         tokens = Counter(keys.PS_TOKEN_COUNTER, container=self.container, client=self.client)
         announced = False
         while not stop.is_set():
-            token = await tokens.add(1)
-            value = f"{token} {self.owner}"
-            reply = await self._script("acquire", value, self.ms)
-            if reply[0] == b"ok":
-                self.token, self.value = token, value
+            token = await tokens.add(1)  # each try a larger one: the value is ours alone
+            self._lease.value = f"{token} {self.owner}"
+            with varcheck.naming(self.key):
+                held = await self._lease.take()
+            if held is None:
+                self.token = token
                 self.log.info("lease taken with fencing token %d (owner %s)", token, self.owner)
                 return True
-            pttl = int(reply[1])
-            held = text_of(reply[2] or b"")
-            check_lease(held, self.key, pttl)  # a corrupt one never runs out
-            if dead_holder(held):
+            check_lease(held.value, self.key, held.pttl)  # a corrupt one never runs out
+            if self._lease.dead(held):
                 # a crashed copy on this machine (a restart after SIGKILL): do not wait
                 # out its lease. Its token is lower than ours, so its variables are
                 # fenced against it in any case; the script checks it still holds it.
-                took = await self._script("takeover", value, self.ms, held)
-                if took[0] == b"ok":
-                    self.token, self.value, self.takeover = token, value, held
+                if await self._lease.take(replace=held.value) is None:
+                    self.token, self.takeover = token, held.value
                     self.log.info(
                         "lease taken over from %s, a dead process of this host (%d ms of "
                         "its lease left), with fencing token %d",
-                        held, pttl, token,
+                        held.value, held.pttl, token,
                     )  # fmt: skip
                     return True
                 continue
             if not announced:
-                self.log.info("shard is held by %s: waiting as a standby", held or "?")
+                self.log.info("shard is held by %s: waiting as a standby", held.value)
                 announced = True
-            await self._standby(stop, min(max(pttl, 10) / 1000.0, BLOCK_SECONDS))
+            await self._lease.wait(held, stop)
         return False
-
-    async def _standby(self, stop: asyncio.Event, wait: float) -> None:
-        """Block on the wake list for up to ``wait`` s, or until ``stop`` is set."""
-        await unless_stopped(self.client.blocking.blpop([self._keys[1]], wait), stop)
 
     async def renew(self) -> str | None:
         """Extend the lease; None if it took, else the value now held ('' if none).
@@ -113,9 +109,10 @@ class ShardLease:
         Raises:
             QpsError: Redis failed (the lease may still be ours: try again).
         """
-        reply = await self._script("renew", self.value, self.ms)
-        return None if reply[0] == b"ok" else text_of(reply[1])
+        with varcheck.naming(self.key):
+            return await self._lease.renew()
 
     async def release(self) -> None:
         """Give the lease up (if still ours) and wake a standby."""
-        await self._script("release", self.value, 0)
+        with varcheck.naming(self.key):
+            await self._lease.release()
