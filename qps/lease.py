@@ -76,7 +76,7 @@ class Lease:
         """Block until the lease is released or its remaining time has passed (at most
         :data:`~qps.transport.BLOCK_SECONDS`), or ``stop`` is set."""
         seconds = min(max(held.pttl, 10) / 1000.0, BLOCK_SECONDS)
-        await unless_stopped(self.client.blocking.blpop([self._keys[1]], seconds), stop)
+        await unless_stopped(self.client.blpop([self._keys[1]], seconds), stop)
 
     async def renew(self) -> str | None:
         """Extend the lease; None if it is still ours, else the value now held ('' if

@@ -50,6 +50,7 @@ from qps.redis_errors import (
     translate,
 )
 from qps.redis_lean import LeanConnections, call_many
+from qps.redis_ops import PlainCommands
 from qps.redis_scripts import Script
 from qps.redis_url import redact_url
 
@@ -63,8 +64,9 @@ ScriptArgs = Sequence[Arg]
 Commands = Sequence[Sequence[Any]]
 
 
-class Client(LeanConnections):
-    """A connection to one Redis server, shared by every qps object of a process.
+class Client(LeanConnections, PlainCommands):
+    """A connection to one Redis server, shared by every qps object of a process: the
+    combined operations here, the plain commands of :class:`~qps.redis_ops.PlainCommands`.
 
     Build one with :func:`qps.transport.connect`. Use ``async with`` or call
     :meth:`close`.

@@ -239,7 +239,7 @@ async def cluster_enabled(client: Client) -> bool:
         raise translate(exc) from exc
     except RedisError:  # e.g. NOPERM
         try:
-            await client.commands.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+            await client.commands.execute_command("CLUSTER", "INFO")
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise translate(exc) from exc
         except RedisError:

@@ -115,6 +115,13 @@ def raised(reply: Any) -> Any:
     return reply
 
 
+def reply_text(exc: BaseException) -> str:
+    """The server's own words for an error reply left in place (translated: its
+    ``__cause__``), else the error's text."""
+    cause = exc.__cause__ if isinstance(exc, QpsError) else None
+    return str(cause if cause is not None else exc)
+
+
 def all_raised(replies: Iterable[Any]) -> list[Any]:
     """Replies as a list; the first error reply among them raised (see :func:`raised`)."""
     return [raised(r) for r in replies]

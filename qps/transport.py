@@ -43,7 +43,8 @@ from qps import resp
 from qps.errors import QpsError, UnavailableError
 from qps.redis_client import BLOCK_SECONDS, Arg, Client, ScriptArgs
 from qps.redis_cluster import ClusterClient, cluster_enabled, connect_cluster
-from qps.redis_errors import is_noscript, map_errors, translate
+from qps.redis_errors import is_noscript, map_errors, reply_text, translate
+from qps.redis_ops import Batch
 from qps.redis_scripts import Script as _Script
 from qps.redis_url import (
     CLUSTER_ENV,
@@ -62,6 +63,7 @@ __all__ = [
     "CLUSTER_ENV",
     "URL_ENV",
     "Arg",
+    "Batch",
     "Client",
     "ClusterClient",
     "ScriptArgs",
@@ -76,6 +78,7 @@ __all__ = [
     "lean_endpoint",
     "map_errors",
     "redact_url",
+    "reply_text",
     "split_cluster_param",
     "translate",
     "write_all",

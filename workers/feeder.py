@@ -55,7 +55,7 @@ from qps.queues import FIFOQueue, QueueBase, RandomShuffleQueue
 from qps.queues.spec import format_shape
 from qps.registry import text_of
 from qps.session import Session
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from workers.data import DATASETS, Dataset, load_dataset
 from workers.feedlease import FeedLease, until_stop
 from workers.input import Coordinator
@@ -233,8 +233,7 @@ async def _plan(
     inserted elements as its base; a resumed one undoes its dead predecessor's waiting
     enqueues and counts what got in since the base."""
     state_key = keys.feed_prefix(options.container, options.queue) + "state"
-    with map_errors():
-        raw = await client.commands.hgetall(state_key)
+    raw = await client.hgetall(state_key)
     st = {text_of(k): text_of(v) for k, v in raw.items()}
     n, fp = len(data), fingerprint(data)
     stats = await queue.stats()
@@ -275,8 +274,7 @@ async def _plan(
             missing = int(st.get(field_, 0)) + value - await counter.get()
             if missing > 0:
                 await counter.add(missing)
-        with map_errors():
-            await client.commands.hset(state_key, "client", client.client_id)
+        await client.hset(state_key, "client", client.client_id)
         return _Plan(int(st["seed"]), start, True, False)
     seed = options.seed if options.seed is not None else secrets.randbits(63)
     examples, epochs = counters
@@ -292,9 +290,8 @@ async def _plan(
         "ep0": await epochs.get(),
         "done": 0,
     }
-    with map_errors():
-        await client.commands.delete(state_key)
-        await client.commands.hset(state_key, mapping=fields)
+    await client.delete(state_key)
+    await client.hset(state_key, mapping=fields)
     return _Plan(seed, 0, False, False)
 
 
@@ -356,10 +353,9 @@ async def feed(
             queue, data, options, coord, plan, lease, result, (examples, epochs), m, registry
         )
         if result.closed:
-            with map_errors():
-                await client.commands.hset(
-                    keys.feed_prefix(options.container, options.queue) + "state", "done", 1
-                )
+            await client.hset(
+                keys.feed_prefix(options.container, options.queue) + "state", "done", 1
+            )
         return result
     finally:
         renew.cancel()

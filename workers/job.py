@@ -22,7 +22,7 @@ from typing import Any
 from qps import keys
 from qps.errors import DeadlineExceededError, FailedPreconditionError
 from qps.registry import text_of
-from qps.transport import Client, map_errors
+from qps.transport import Client
 
 __all__ = [
     "WAKE_SECONDS",
@@ -62,8 +62,7 @@ async def _block(client: Client, wake: str, deadline: float | None) -> bool:
         block = min(block, deadline - time.monotonic())
         if block <= 0:
             return False
-    with map_errors():
-        await client.blocking.blpop([wake], timeout=max(0.01, round(block, 3)))
+    await client.blpop([wake], max(0.01, round(block, 3)))
     return True
 
 
@@ -78,20 +77,15 @@ async def mark_ready(
     workers (one token each on their wake lists)."""
     ready = _key(container, "ready")
     record = {"num_workers": num_workers, **info}
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
-        pipe.set(ready, json.dumps(record, sort_keys=True))
-        for k in range(num_workers):
-            wake = _key(container, f"ready:wake:{k}")
-            pipe.rpush(wake, 1)
-            pipe.ltrim(wake, -1, -1)
-        await pipe.execute()
+    batch = client.batch(transaction=True).set(ready, json.dumps(record, sort_keys=True))
+    for k in range(num_workers):
+        batch.wake(_key(container, f"ready:wake:{k}"))
+    await batch.run()
 
 
 async def is_ready(client: Client, container: str) -> dict[str, Any] | None:
     """The chief's ready record, or None while the model is not ready."""
-    with map_errors():
-        raw = await client.commands.get(_key(container, "ready"))
+    raw = await client.get(_key(container, "ready"))
     return None if raw is None else dict(json.loads(raw))
 
 
@@ -128,13 +122,12 @@ async def claim_index(client: Client, container: str, who: str, num_workers: int
         FailedPreconditionError: every index is taken.
     """
     table, counter = _key(container, "indexes"), _key(container, "next-index")
-    with map_errors():
-        got = await client.commands.hget(table, who)
-        if got is None:
-            candidate = int(await client.commands.incr(counter))
-            if candidate < num_workers:
-                await client.commands.hsetnx(table, who, candidate)
-            got = await client.commands.hget(table, who)
+    got = await client.hget(table, who)
+    if got is None:
+        candidate = await client.incr(counter)
+        if candidate < num_workers:
+            await client.hsetnx(table, who, candidate)
+        got = await client.hget(table, who)
     if got is None:
         raise FailedPreconditionError(
             f"every worker index of container '{container}' is taken ({num_workers} workers: "
@@ -151,12 +144,8 @@ async def publish_status(
 ) -> None:
     """Publish ``worker``'s status (JSON; ``time`` is added) for ``qps job status``/``top``."""
     record = {**status, "time": time.time()}
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hset(_key(container, "workers"), worker, json.dumps(record))
-        pipe.rpush(_key(container, "status:wake"), 1)  # a `qps job wait` re-reads the job
-        pipe.ltrim(_key(container, "status:wake"), -1, -1)
-        await pipe.execute()
+    batch = client.batch().hset(_key(container, "workers"), {worker: json.dumps(record)})
+    await batch.wake(_key(container, "status:wake")).run()  # a `qps job wait` re-reads it
 
 
 async def wait_status_change(client: Client, container: str, deadline: float | None) -> bool:
@@ -167,8 +156,7 @@ async def wait_status_change(client: Client, container: str, deadline: float | N
 
 async def read_statuses(client: Client, container: str) -> dict[str, dict[str, Any]]:
     """Every worker's last published status, by worker name."""
-    with map_errors():
-        raw = await client.commands.hgetall(_key(container, "workers"))
+    raw = await client.hgetall(_key(container, "workers"))
     return {text_of(k): json.loads(v) for k, v in raw.items()}
 
 
@@ -177,28 +165,20 @@ async def finish_worker(client: Client, container: str, worker: str) -> int:
     once, whatever its restarts). Wakes a :func:`wait_workers_done` waiter."""
     done = _key(container, "done")
     wake = _key(container, "done:wake")
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
-        pipe.sadd(done, worker)
-        pipe.scard(done)
-        pipe.rpush(wake, 1)
-        pipe.ltrim(wake, -1, -1)
-        n = (await pipe.execute())[1]
+    n = (await client.batch(transaction=True).sadd(done, worker).scard(done).wake(wake).run())[1]
     return int(n)
 
 
 async def finished_workers(client: Client, container: str) -> set[str]:
     """The workers that have recorded they are done."""
-    with map_errors():
-        got = await client.commands.smembers(_key(container, "done"))
+    got = await client.smembers(_key(container, "done"))
     return {text_of(m) for m in got}
 
 
 async def clear_done(client: Client, container: str) -> None:
     """Forget which workers finished: a job resumed by a new launcher runs them all
     again (an earlier run stopped by Ctrl-C had recorded them done)."""
-    with map_errors():
-        await client.commands.delete(_key(container, "done"))
+    await client.delete(_key(container, "done"))
 
 
 def worker_names(statuses: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -254,27 +234,20 @@ async def request_stop(
     a push that is under way fail, which ends its worker sooner."""
     record = {"reason": reason, "time": time.time()}
     key = _key(container, "stop")
-    with map_errors():
-        # in order, not in a transaction (redis-py's cluster pipelines fail on one): a
-        # waiter registered after the SMEMBERS looks for the mark after it, and finds it
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.set(key, json.dumps(record), nx=True)
-        pipe.get(key)
-        pipe.smembers(_key(container, "stop:waiters"))
-        _, raw, wakes = await pipe.execute()
-        if wakes:  # each registered before it looked for the mark: none is missed
-            pipe = client.commands.pipeline(transaction=False)
-            for wake in sorted(wakes):
-                pipe.rpush(wake, 1)
-                pipe.ltrim(wake, -1, -1)
-            await pipe.execute()
+    # in order, not in a transaction (redis-py's cluster pipelines fail on one): a
+    # waiter registered after the SMEMBERS looks for the mark after it, and finds it
+    batch = client.batch().set(key, json.dumps(record), nx=True).get(key)
+    _, raw, wakes = await batch.smembers(_key(container, "stop:waiters")).run()
+    batch = client.batch()  # each registered before it looked for the mark: none is missed
+    for wake in sorted(wakes):
+        batch.wake(wake)
+    await batch.run()
     return dict(json.loads(raw))
 
 
 async def stop_requested(client: Client, container: str) -> dict[str, Any] | None:
     """The stop request of the job (see :func:`request_stop`), or None."""
-    with map_errors():
-        raw = await client.commands.get(_key(container, "stop"))
+    raw = await client.get(_key(container, "stop"))
     return None if raw is None else dict(json.loads(raw))
 
 
@@ -285,11 +258,9 @@ async def wait_stop_request(client: Client, container: str, worker: str) -> dict
     the request, and :func:`request_stop` pushes to every registered list after it
     records one, so a request is never missed."""
     wake = _key(container, f"stop:wake:{worker}")
-    with map_errors():
-        await client.commands.sadd(_key(container, "stop:waiters"), wake)
+    await client.sadd(_key(container, "stop:waiters"), wake)
     while (got := await stop_requested(client, container)) is None:
-        with map_errors():
-            await client.blocking.blpop([wake], timeout=0)
+        await client.blpop([wake], 0)
     return got
 
 
@@ -302,21 +273,16 @@ async def ssp_advance(
     """Record that ``worker`` has completed ``step`` steps, and wake the other workers
     (``workers``: every worker's name) so that one waiting on the slowest re-checks."""
     table = _key(container, "ssp")
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
-        pipe.zadd(table, {worker: step})
-        for other in workers:
-            if other != worker:
-                wake = _key(container, f"ssp:wake:{other}")
-                pipe.rpush(wake, 1)
-                pipe.ltrim(wake, -1, -1)
-        await pipe.execute()
+    batch = client.batch(transaction=True).zadd(table, {worker: step})
+    for other in workers:
+        if other != worker:
+            batch.wake(_key(container, f"ssp:wake:{other}"))
+    await batch.run()
 
 
 async def ssp_min_step(client: Client, container: str, workers: list[str]) -> int:
     """The smallest step recorded by any of ``workers`` (0 for one with no record)."""
-    with map_errors():
-        scores = await client.commands.zmscore(_key(container, "ssp"), workers)
+    scores = await client.zmscore(_key(container, "ssp"), workers)
     return int(min((s or 0) for s in scores)) if scores else 0
 
 

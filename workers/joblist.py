@@ -14,7 +14,7 @@ from typing import Any
 from qps import containers, keys
 from qps.errors import DataLossError
 from qps.ps import control
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from workers import job
 from workers.monitor import eval_metric, job_state, read_global_step
 
@@ -78,13 +78,11 @@ async def job_summary(client: Client, container: str) -> JobSummary | None:
     stopping = await job.stop_requested(client, container) is not None
     done = await job.finished_workers(client, container)
     n = 0 if cfg is None else cfg.num_shards
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for i in range(n):
-            prefix = keys.ps_prefix(container, i)
-            pipe.hmget(prefix + "stats", ["state", "started_ms"])
-            pipe.exists(prefix + "lease")
-        got = await pipe.execute() if n else []
+    batch = client.batch()
+    for i in range(n):
+        prefix = keys.ps_prefix(container, i)
+        batch.hmget(prefix + "stats", ["state", "started_ms"]).exists(prefix + "lease")
+    got = await batch.run()
     running = 0
     starts: list[float] = []
     for (state, started_ms), lease in zip(got[::2], got[1::2], strict=True):

@@ -26,7 +26,7 @@ from qps.errors import DeadlineExceededError, NotFoundError
 from qps.ps import control
 from qps.ps.gradlist import gradient_list_key
 from qps.queues.inspect import QueueStats, list_queues, queue_stats
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from workers import job
 
 __all__ = [
@@ -217,8 +217,7 @@ def job_state(finished: bool, stopping: bool, workers_done: Sequence[bool]) -> s
 async def read_global_step(client: Client, container: str) -> int:
     """The global step (0 before shard 0 advanced it), read without creating the
     counter (a :class:`qps.Counter` would: reading a job writes nothing)."""
-    with map_errors():
-        raw = await client.commands.get(keys.counter_key(container, keys.GLOBAL_STEP))
+    raw = await client.get(keys.counter_key(container, keys.GLOBAL_STEP))
     return _int(raw.decode() if isinstance(raw, bytes) else raw)
 
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import qps
 from qps import owners
 from qps.ps import control
-from qps.transport import map_errors
 from workers import job
 
 __all__ = ["GRACE_SECONDS", "PING_SECONDS", "ProgressFn", "Role", "answers", "progress",
@@ -111,12 +110,7 @@ async def progress(client: qps.Client, container: str) -> tuple[int, int, float 
 
 async def answers(client: qps.Client) -> bool:
     """Whether Redis answers a PING within :data:`PING_SECONDS`."""
-
-    async def ping() -> None:
-        with map_errors():
-            await client.commands.ping()
-
-    task = asyncio.ensure_future(ping())
+    task = asyncio.ensure_future(client.ping())
     try:
         await asyncio.wait({task}, timeout=PING_SECONDS)
     finally:

@@ -33,7 +33,7 @@ from qps.ps import control
 from qps.ps.gradlist import LIST_MAX_BYTES, GradientList, credit_key
 from qps.ps.messages import Gradient, GradientMessage, check_gradient, encode_message
 from qps.queues import FIFOQueue
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from qps.variables import (
     ReadPlan,
     Variable,
@@ -446,9 +446,8 @@ class PSClient:
         """Take back a message pushed after the job was marked finished: True if it was
         still waiting (nothing was sent); False if the shard took it already (it is
         applied as it drains its list: the push counts as sent)."""
-        with map_errors():
-            if not await self.client.commands.lrem(gl.key, 1, payload):  # type: ignore[arg-type]
-                return False
+        if not await self.client.lrem(gl.key, 1, payload):
+            return False
         await self.client.run_commands([gl.count_command(-1)])  # it was counted pushed
         return True
 
@@ -464,10 +463,8 @@ class PSClient:
             wait = [("BLPOP", key, CREDIT_WAIT_SECONDS), ("LPOP", key, self._capacity)]
             replies = await self.client.write_commands(wait)
             if replies is None:  # no lean connection (fakeredis)
-                with map_errors():
-                    one = await self.client.commands.blpop([key], CREDIT_WAIT_SECONDS)
-                    rest = await self.client.commands.lpop(key, self._capacity)
-                replies = [one, rest]
+                one = await self.client.blpop([key], CREDIT_WAIT_SECONDS)
+                replies = [one, await self.client.lpop(key, self._capacity)]
             for r in replies:
                 if isinstance(r, BaseException):
                     raise r
@@ -475,9 +472,7 @@ class PSClient:
             if got:
                 self._unsettled[shard] = max(0, self._unsettled.get(shard, 0) - got)
                 return
-            with map_errors():
-                done = int(await self.client.commands.exists(finished))
-            if done:
+            if await self.client.exists(finished):
                 raise CancelledError(f"the PS job of container '{self.container}' is finished")
 
     async def global_step(self) -> int:

@@ -35,7 +35,7 @@ from qps.ps.messages import (
     GradientMessage,
 )
 from qps.ps.settle import _coalesced
-from qps.transport import Client, is_noscript, map_errors
+from qps.transport import Client, is_noscript
 from qps.variables import APPLIED_KEEP_MS, AlreadyAppliedError
 
 if TYPE_CHECKING:
@@ -64,9 +64,8 @@ def _sha(client: Client, name: str) -> str:
 
 async def _load(client: Client, *names: str) -> None:
     """Load scripts ``names`` of the client's registry into the server."""
-    with map_errors():
-        for name in names:
-            await client.commands.script_load(client._script(name).source)
+    for name in names:
+        await client.script_load(client._script(name).source)
 
 
 class Commits(Apply):

@@ -39,7 +39,7 @@ from qps.ps.status import (  # the shards' status, read by the status commands
 )
 from qps.queues import FIFOQueue
 from qps.registry import text_of
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from qps.varspec import MAX_COUNTER
 
 __all__ = [
@@ -110,7 +110,7 @@ async def read_config(client: Client, container: str) -> PSConfig | None:
     """
     key = keys.ps_config(container)
     with varcheck.naming(key):
-        raw = dict(zip(_CONFIG_FIELDS, await client.commands.hmget(key, *_CONFIG_FIELDS)))
+        raw = dict(zip(_CONFIG_FIELDS, await client.hmget(key, _CONFIG_FIELDS)))
     if all(v is None for v in raw.values()):  # (its fields are set one by one: HSETNX)
         return None
 
@@ -166,23 +166,22 @@ async def configure(
         raise InvalidArgumentError(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
     key = keys.ps_config(container)
     with varcheck.naming(key, keys.ps_config_wake(container)):
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hsetnx(key, "num_shards", num_shards)
+        batch = client.batch().hsetnx(key, "num_shards", num_shards)
         if optimizer is not None:
-            pipe.hsetnx(key, "optimizer", json.dumps(optimizer.to_spec(), sort_keys=True))
+            batch.hsetnx(key, "optimizer", json.dumps(optimizer.to_spec(), sort_keys=True))
         if queue_capacity is not None:
             if isinstance(queue_capacity, bool) or not isinstance(queue_capacity, int):
                 raise InvalidArgumentError(f"queue_capacity must be an int, got {queue_capacity!r}")
             if queue_capacity < 1:
                 raise InvalidArgumentError(f"queue_capacity must be >= 1, got {queue_capacity}")
-            pipe.hsetnx(key, "queue_capacity", queue_capacity)
+            batch.hsetnx(key, "queue_capacity", queue_capacity)
         if sync is not None:
             r, t = sync
             if not (isinstance(r, int) and isinstance(t, int) and 1 <= r <= t):
                 raise InvalidArgumentError(
                     f"sync needs 1 <= replicas_to_aggregate <= total_num_replicas, got {sync}"
                 )
-            pipe.hsetnx(key, "sync", f"{r}/{t}")
+            batch.hsetnx(key, "sync", f"{r}/{t}")
         # stored by the first caller, the default included: it is fixed once workers
         # may have pushed under it
         m = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
@@ -192,12 +191,10 @@ async def configure(
             raise InvalidArgumentError(
                 f"max_message_bytes must be in [1, {wire.MAX_MESSAGE_BYTES}], got {m}"
             )
-        pipe.hsetnx(key, "max_message_bytes", m)
-        pipe.set(keys.registration(container), 1, nx=True)
+        batch.hsetnx(key, "max_message_bytes", m).set(keys.registration(container), 1, nx=True)
         if optimizer is not None:  # wake the shards waiting for one (wait_for_optimizer)
-            pipe.rpush(keys.ps_config_wake(container), 1)
-            pipe.ltrim(keys.ps_config_wake(container), -1, -1)
-        await pipe.execute()
+            batch.wake(keys.ps_config_wake(container))
+        await batch.run()
     cfg = await read_config(client, container)
     assert cfg is not None
     if sync is not None and cfg.sync != tuple(sync):
@@ -247,10 +244,9 @@ async def wait_for_optimizer(
         cfg = await read_config(client, container)
         if cfg is not None and cfg.optimizer is not None:
             return cfg
-        pop = await unless_stopped(client.blocking.blpop([wake], OPTIMIZER_WAKE_SECONDS), stop)
+        pop = await unless_stopped(client.blpop([wake], OPTIMIZER_WAKE_SECONDS), stop)
         if not pop.cancelled():
-            with map_errors():
-                pop.result()  # an error of the connection: raised, translated
+            pop.result()  # an error of the connection: raised
     return None
 
 
@@ -279,7 +275,7 @@ async def read_placement(
         num_shards = MAX_SHARDS if cfg is None else cfg.num_shards
     key = keys.ps_placement(container)
     with varcheck.naming(key):
-        raw = await client.commands.hgetall(key)
+        raw = await client.hgetall(key)
     out = {}
     for k, v in raw.items():
         name = text_of(k)
@@ -332,10 +328,10 @@ async def place_variables(
         wanted = placement.greedy_by_bytes(variables, cfg.num_shards)
         if wanted:
             with varcheck.naming(keys.ps_placement(container)):
-                pipe = client.commands.pipeline(transaction=False)
+                batch = client.batch()
                 for name, shard in wanted.items():
-                    pipe.hsetnx(keys.ps_placement(container), name, shard)
-                await pipe.execute()
+                    batch.hsetnx(keys.ps_placement(container), name, shard)
+                await batch.run()
     else:
         raise InvalidArgumentError(
             f"unknown placement strategy {strategy!r}: use 'round_robin' or 'greedy_by_bytes'"
@@ -380,8 +376,7 @@ async def mark_finished(client: Client, container: str) -> int:
     cfg = await read_config(client, container)
     if cfg is None:
         raise FailedPreconditionError(f"no PS job in container '{container}'")
-    with map_errors():
-        await client.commands.set(keys.ps_finished(container), "1")
+    await client.set(keys.ps_finished(container), "1")
     closed = 0
     for shard in range(cfg.num_shards):
         q = gradient_queue(client, container, shard, cfg.queue_capacity)
@@ -392,17 +387,15 @@ async def mark_finished(client: Client, container: str) -> int:
                 continue
             closed += 1
     if not client.cluster:  # wake shards blocked on their gradient lists
-        with map_errors():
-            await client.run_commands(
-                [("RPUSH", gradient_list_key(container, s), WAKE) for s in range(cfg.num_shards)]
-            )
+        await client.run_commands(
+            [("RPUSH", gradient_list_key(container, s), WAKE) for s in range(cfg.num_shards)]
+        )
     return closed
 
 
 async def is_finished(client: Client, container: str) -> bool:
     """Whether the job of ``container`` was marked finished."""
-    with map_errors():
-        return bool(await client.commands.exists(keys.ps_finished(container)))
+    return bool(await client.exists(keys.ps_finished(container)))
 
 
 # -- dead letters ---------------------------------------------------------------------------------
@@ -429,13 +422,11 @@ async def dead_letters(
 ) -> list[dict[str, Any]]:
     """Shard ``shard``'s dead letters ``start..stop`` (inclusive, oldest first), each a
     dict with ``index`` added."""
-    with map_errors():
-        raw = await client.commands.lrange(keys.ps_prefix(container, shard) + "dlq", start, stop)
+    raw = await client.lrange(keys.ps_prefix(container, shard) + "dlq", start, stop)
     out = []
     first = start if start >= 0 else 0
     if start < 0:
-        with map_errors():
-            n = await client.commands.llen(keys.ps_prefix(container, shard) + "dlq")
+        n = await client.llen(keys.ps_prefix(container, shard) + "dlq")
         first = max(0, n + start)
     for i, r in enumerate(raw):
         d = decode_dead_letter(r)
@@ -447,11 +438,7 @@ async def dead_letters(
 async def drop_dead_letters(client: Client, container: str, shard: int) -> int:
     """Delete shard ``shard``'s dead letters; return how many there were."""
     key = keys.ps_prefix(container, shard) + "dlq"
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
-        pipe.llen(key)
-        pipe.delete(key)
-        n, _ = await pipe.execute()
+    n, _ = await client.batch(transaction=True).llen(key).delete(key).run()
     return int(n)
 
 
@@ -522,8 +509,7 @@ class Tokens:
         wait = self.wait_command(timeout)
         replies = await self.client.write_commands([wait, *commands])
         if replies is None:  # no lean connection (fakeredis, a cluster node unknown)
-            with map_errors():
-                got = await self.client.commands.blpop([self.key], timeout)
+            got = await self.client.blpop([self.key], timeout)
             after: list[Any] = []
             if got is not None and commands and not self.client.cluster:
                 after = await self.client.run_commands_replies(commands)
@@ -537,8 +523,7 @@ class Tokens:
 
     async def take_all(self) -> list[int]:
         """The tokens waiting now (none taken if none wait)."""
-        with map_errors():
-            got = await self.client.commands.lpop(self.key, 1 << 20)
+        got = await self.client.lpop(self.key, 1 << 20)
         return [int(v) for v in got or []]
 
 

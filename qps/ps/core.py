@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from qps import keys, varcheck
 from qps import metrics as _metrics
@@ -201,8 +201,8 @@ class ShardCore:
         committed: recorded and not released (by an earlier owner, or by this one before
         a failure), perhaps not acked; they are looked up when they come."""
         with varcheck.naming(applied_key):
-            held = await self.client.commands.zrange(applied_key, 0, -1)
-        self._suspect.update(text_of(cast(bytes, x)) for x in held)
+            held = await self.client.zrange(applied_key, 0, -1)
+        self._suspect.update(text_of(x) for x in held)
 
     async def _resolve(self, name: str) -> _Owned:
         o = self.owned.get(name)

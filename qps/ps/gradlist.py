@@ -59,7 +59,7 @@ import numpy as np
 from qps import keys
 from qps.queues.base import Delivery
 from qps.registry import text_of
-from qps.transport import Client, map_errors
+from qps.transport import Client
 
 __all__ = [
     "LIST_MAX_BYTES",
@@ -134,11 +134,8 @@ class ListCounts:
 async def list_counts(client: Client, container: str, shard: int) -> ListCounts:
     """Read shard ``shard``'s :class:`ListCounts` (one round trip)."""
     key = gradient_list_key(container, shard)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hmget(stats_key(container, shard), [PUSHED, TAKEN])
-        pipe.llen(key)
-        (pushed, taken), waiting = await pipe.execute()
+    batch = client.batch().hmget(stats_key(container, shard), [PUSHED, TAKEN]).llen(key)
+    (pushed, taken), waiting = await batch.run()
     return ListCounts(shard, key, int(pushed or 0), int(taken or 0), int(waiting))
 
 
@@ -227,8 +224,7 @@ class GradientList:
         self._lease, self._token = lease_key, int(token)
         self._taken = self._popped = self.waiting = 0
         self._acked.clear()
-        with map_errors():
-            await self.client.commands.sadd(self.procs, self.proc)
+        await self.client.sadd(self.procs, self.proc)
         return await self.reclaim()
 
     async def reclaim(self) -> int:
@@ -246,22 +242,19 @@ class GradientList:
         others = await self._others()
         if not others:
             return 0
-        with map_errors():
-            pipe = self.client.commands.pipeline(transaction=False)
-            for n in others:
-                pipe.llen(n)
-            return sum(int(x) for x in await pipe.execute())
+        batch = self.client.batch()
+        for n in others:
+            batch.llen(n)
+        return sum(int(x) for x in await batch.run())
 
     async def _others(self) -> list[str]:
         """The registered processing lists other than this owner's."""
-        with map_errors():
-            names = [text_of(n) for n in await self.client.commands.smembers(self.procs)]
+        names = [text_of(n) for n in await self.client.smembers(self.procs)]
         return [n for n in names if n != self.proc]
 
     async def size(self) -> int:
         """Messages waiting in the list."""
-        with map_errors():
-            return int(await self.client.commands.llen(self.key))
+        return await self.client.llen(self.key)
 
     async def take(self, timeout: float) -> Delivery | None:
         """Block up to ``timeout`` seconds for the next message and move it into the
@@ -343,14 +336,7 @@ class GradientList:
     async def _blmove(self, timeout: float) -> Any:
         """One take through redis-py (a client without lean connections: fakeredis)."""
         assert self.proc is not None
-        with map_errors():
-            return await self.client.commands.blmove(
-                self.key,
-                self.proc,
-                timeout,  # type: ignore[arg-type]
-                "LEFT",
-                "RIGHT",
-            )
+        return await self.client.blmove(self.key, self.proc, timeout)
 
     async def _message(self, got: Any) -> Delivery | None:
         """The element a take moved as a delivery; None for :data:`WAKE`, acknowledged
@@ -440,8 +426,7 @@ class GradientList:
         if self.proc is None:
             return
         await self.give_back()
-        with map_errors():
-            await self.client.commands.srem(self.procs, self.proc)
+        await self.client.srem(self.procs, self.proc)
         self.proc = None
 
 

@@ -30,7 +30,7 @@ from qps.ps.messages import (
 )
 from qps.ps.source import Readers
 from qps.queues.base import Delivery, QueueBase
-from qps.transport import Client, map_errors
+from qps.transport import Client
 
 log = logging.getLogger("qps.ps")
 
@@ -222,10 +222,10 @@ class Settle(Readers):
         entry["data"] = raw
         self.log.warning("dead letter%s: %s", f" {msg.id}" if msg is not None else "", reason)
         with varcheck.naming(self._prefix + "dlq"):
-            pipe = self.client.commands.pipeline(transaction=False)
-            pipe.rpush(self._prefix + "dlq", control.encode_dead_letter(entry))
-            pipe.hincrby(self._prefix + "stats", "dead_letters", 1)
-            dlq_length, counted = await pipe.execute(raise_on_error=False)
+            batch = self.client.batch()
+            batch.rpush(self._prefix + "dlq", control.encode_dead_letter(entry))
+            batch.hincrby(self._prefix + "stats", "dead_letters", 1)
+            dlq_length, counted = await batch.run(raise_on_error=False)
             if isinstance(dlq_length, Exception):
                 raise dlq_length
         if isinstance(counted, Exception):  # as any stats write (see _stats)
@@ -242,8 +242,7 @@ class Settle(Readers):
         try:
             assert self._queue is not None
             depth = await self._queue.size()
-            with map_errors():
-                dead = await self.client.commands.llen(self._prefix + "dlq")
+            dead = await self.client.llen(self._prefix + "dlq")
         except QpsError as exc:
             self.log.debug("could not sample the queue for the metrics: %s", exc)
             return

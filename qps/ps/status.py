@@ -20,7 +20,7 @@ from qps.errors import DataLossError, QpsError
 from qps.ps.gradlist import PUSHED, TAKEN, gradient_list_key, list_bytes
 from qps.queues.inspect import list_queue_bytes, queue_stats
 from qps.registry import text_of
-from qps.transport import Client, map_errors
+from qps.transport import Client, reply_text
 
 __all__ = [
     "EXACT_STALENESS",
@@ -206,16 +206,14 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
     dead-letter list is corrupt is returned ``broken`` (see :class:`ShardStatus`)."""
     prefix = keys.ps_prefix(container, shard)
     names = [prefix + "stats", prefix + "lease", prefix + "dlq"]
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(names[0])
-        pipe.get(names[1])
-        pipe.llen(names[2])
-        replies = await pipe.execute(raise_on_error=False)
+    batch = client.batch().hgetall(names[0]).get(names[1]).llen(names[2])
+    replies = await batch.run(raise_on_error=False)
     try:
         for key, r in zip(names, replies):
             if isinstance(r, Exception):  # a key of another type
-                raise DataLossError(f"corrupt state: {key} holds the wrong type of value ({r})")
+                raise DataLossError(
+                    f"corrupt state: {key} holds the wrong type of value ({reply_text(r)})"
+                )
         raw, lease, dlq = replies
         f, stale = _stats(raw, names[0])
         owner: str | None = None
@@ -226,8 +224,7 @@ async def shard_status(client: Client, container: str, shard: int) -> ShardStatu
         return ShardStatus(shard, "broken", None, None, 0, 0, 0, 0, 0, 0, None, problem=str(exc))
     lsize: int | None = None
     if not client.cluster:  # a single server: its gradient list
-        with map_errors():
-            lsize = int(await client.commands.llen(gradient_list_key(container, shard)))
+        lsize = await client.llen(gradient_list_key(container, shard))
     try:
         qsize: int | None = (
             await queue_stats(client, keys.ps_gradient_queue(shard), container)

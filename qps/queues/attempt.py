@@ -115,14 +115,14 @@ class Riders:
     ``before``: sent ahead of the first script call (a batch's buffer). ``after``: sent
     after each script call that may deliver (the first, and the collect after each
     wait); ``sink`` gets the replies of those sent with the final reply (none if that
-    came from elsewhere, e.g. a timed-out attempt's abort). ``blocking``: ``after`` may
+    came from elsewhere, e.g. a timed-out attempt's abort). ``may_block``: ``after`` may
     block, so it goes once, with the first script call, on a connection of its own, and
     ``sink`` gets its replies whatever the attempt does next."""
 
     before: Sequence[Sequence[Any]] = ()
     after: Sequence[Sequence[Any]] = ()
     sink: list[Any] | None = None
-    blocking: bool = False
+    may_block: bool = False
 
     def took(self, replies: list[Any]) -> None:
         if self.sink is not None:
@@ -239,10 +239,10 @@ class Attempt:
         argv = [self.args.argv(), *self.payload]
         if r.after:
             reply, extra = await c.run_script_then_commands(
-                s, skeys, argv, r.after, before=r.before, blocking=r.blocking
+                s, skeys, argv, r.after, before=r.before, blocking=r.may_block
             )
             r.took(extra)
-            if r.blocking:  # its replies are in; nothing rides with the waits
+            if r.may_block:  # its replies are in; nothing rides with the waits
                 self.riders = Riders()
             return reply  # type: ignore[no-any-return]
         if r.before:

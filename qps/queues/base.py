@@ -51,7 +51,6 @@ from qps.queues.large import (
 )
 from qps.queues.large import nbytes as blob_bytes
 from qps.queues.state import corrupt, reraise, size_of_replies, size_reads
-from qps.transport import map_errors
 
 __all__ = ["Delivery", "Element", "QueueBase"]
 
@@ -327,8 +326,7 @@ class QueueBase(AckedDequeues):
         """Whether the close has taken effect."""
         client = await self._c()
         try:
-            with map_errors():
-                closed = await client.commands.hget(self._keys[0], "closed")
+            closed = await client.hget(self._keys[0], "closed")
         except QpsError as exc:
             await reraise(client, self._prefix, exc)
         if closed not in (b"0", b"1", None):  # None: deleted since (a reset container)
@@ -342,11 +340,10 @@ class QueueBase(AckedDequeues):
             DataLossError: the stored counts are corrupt (the key named).
         """
         client = await self._c()
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=True)  # read atomically
-            for command in self._size_reads():
-                pipe.execute_command(*command)
-            replies = await pipe.execute(raise_on_error=False)
+        batch = client.batch(transaction=True)  # read atomically
+        for command in self._size_reads():
+            batch.command(*command)
+        replies = await batch.run(raise_on_error=False)
         return size_of_replies(replies, self._spec.kind, self._prefix)
 
     def _size_reads(self) -> list[tuple[Any, ...]]:

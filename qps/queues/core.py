@@ -19,7 +19,7 @@ from qps.queues.inspect import delete_queue
 from qps.queues.spec import QueueSpec, Shape, is_string
 from qps.queues.state import reraise, stored_spec
 from qps.queues.waiters import default_client
-from qps.transport import Client, map_errors
+from qps.transport import Client
 
 _NO_RIDERS = Riders()  # never changed: an attempt that has riders gets its own
 
@@ -126,11 +126,8 @@ class QueueCore(Elements):
         )
         if reply[0] == b"exists":
             self._spec.check_same(stored_spec(reply[1], self._keys[0]), self._name)
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            pipe.set(keys.registration(self._container), 1, nx=True)
-            pipe.sadd(keys.container_queues(self._container), self._name)
-            await pipe.execute()
+        batch = client.batch().set(keys.registration(self._container), 1, nx=True)
+        await batch.sadd(keys.container_queues(self._container), self._name).run()
         if not self._shared:
             client.on_close(self._drop_private)
         self._opened = True

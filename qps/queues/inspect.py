@@ -33,7 +33,7 @@ from qps.queues.state import (
     size_of_replies,
     size_reads,
 )
-from qps.transport import Client, map_errors
+from qps.transport import Client
 
 #: bytes in front of each stored element of a priority queue: an 8-byte order-preserving
 #: priority and a 16-byte sequence number (see qps/lua/queue_common.lua)
@@ -84,13 +84,9 @@ async def queue_stats(
         NotFoundError: no such queue in ``container``.
     """
     prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(prefix + "meta")
-        pipe.lrange(prefix + "ew", 0, -1)
-        pipe.lrange(prefix + "dw", 0, -1)
-        pipe.llen(prefix + "dlq")
-        replies = await pipe.execute(raise_on_error=False)
+    batch = client.batch().hgetall(prefix + "meta")
+    batch.lrange(prefix + "ew", 0, -1).lrange(prefix + "dw", 0, -1).llen(prefix + "dlq")
+    replies = await batch.run(raise_on_error=False)
     for part, r in zip(("meta", "ew", "dw", "dlq"), replies):
         if isinstance(r, BaseException):
             failed_read(prefix + part, r)
@@ -107,13 +103,12 @@ async def queue_stats(
             raise corrupt(prefix + "dw", f"holds {bytes(e[:60])!r}, not an attempt entry")
         ids.append(e.decode().rsplit("|", 1)[1])
     reads = size_reads(spec.kind, prefix)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=True)
-        for command in reads:
-            pipe.execute_command(*command)
-        for i in ids:
-            pipe.lrange(f"{prefix}a:{i}:h", 0, -1)
-        got = await pipe.execute(raise_on_error=False)
+    batch = client.batch(transaction=True)
+    for command in reads:
+        batch.command(*command)
+    for i in ids:
+        batch.lrange(f"{prefix}a:{i}:h", 0, -1)
+    got = await batch.run(raise_on_error=False)
     size = size_of_replies(got[: len(reads)], spec.kind, prefix)
     held = 0
     for i, h in zip(ids, got[len(reads) :]):
@@ -172,8 +167,7 @@ async def _assemble(client: Client, prefix: str, ref: bytes) -> StoredElement:
     if parsed is None:
         return StoredElement(ref)
     bid, nchunks, nbytes = parsed
-    with map_errors():
-        parts = await client.commands.mget(chunk_keys(prefix, bid, nchunks))
+    parts = await client.mget(chunk_keys(prefix, bid, nchunks))
     found = [as_bytes(p) for p in parts if p is not None]
     if len(found) != nchunks:
         return StoredElement(ref, nchunks, "a large element whose chunks are missing")
@@ -195,10 +189,7 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
         NotFoundError: no such queue in ``container``.
     """
     prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hgetall(prefix + "meta")
-        (meta,) = await pipe.execute(raise_on_error=False)
+    (meta,) = await client.batch().hgetall(prefix + "meta").run(raise_on_error=False)
     if isinstance(meta, BaseException):
         failed_read(prefix + "meta", meta)
     if not meta:
@@ -207,18 +198,16 @@ async def peek_blobs(client: Client, name: str, container: str, k: int) -> list[
     if k <= 0:
         return []
     try:
-        with map_errors():
-            if kind == b"shuffle":
-                n = count(meta.get(b"n"), prefix + "meta", "n")
-                fields = list(range(min(k, n)))
-                got = await client.commands.hmget(prefix + "items", fields) if fields else []
-                raw = [as_bytes(b) for b in got if b is not None]
-            elif kind == b"priority":
-                members = await client.commands.zrange(prefix + "items", 0, k - 1)
-                raw = [as_bytes(b)[PRIORITY_KEY_BYTES:] for b in members]  # type: ignore[arg-type]
-            else:
-                listed = await client.commands.lrange(prefix + "items", 0, k - 1)
-                raw = [as_bytes(b) for b in listed]
+        if kind == b"shuffle":
+            n = count(meta.get(b"n"), prefix + "meta", "n")
+            fields = list(range(min(k, n)))
+            got = await client.hmget(prefix + "items", fields) if fields else []
+            raw = [as_bytes(b) for b in got if b is not None]
+        elif kind == b"priority":
+            members = await client.zrange(prefix + "items", 0, k - 1)
+            raw = [as_bytes(b)[PRIORITY_KEY_BYTES:] for b in members]
+        else:
+            raw = [as_bytes(b) for b in await client.lrange(prefix + "items", 0, k - 1)]
         # reads only: nothing released; a batch entry gives all of its rows
         rows = (await read_batch_rows(client, prefix, list(raw)))[:k]
     except InternalError as exc:  # a key of the wrong type
@@ -236,10 +225,7 @@ async def list_queues(client: Client, container: str = keys.DEFAULT_CONTAINER) -
         DataLossError: the registry is not a set (the key named).
     """
     key = keys.container_queues(container)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.smembers(key)
-        (names,) = await pipe.execute(raise_on_error=False)
+    (names,) = await client.batch().smembers(key).run(raise_on_error=False)
     if isinstance(names, BaseException):
         failed_read(key, names, "cannot be read as a set of queue names")
     return sorted(
@@ -290,15 +276,12 @@ async def scan_queues(
 async def delete_queue(client: Client, name: str, container: str = keys.DEFAULT_CONTAINER) -> int:
     """Delete every key of a queue (pending attempts included); returns keys deleted."""
     prefix = keys.queue_prefix(container, name)
-    with map_errors():
-        found = [
-            k async for k in client.commands.scan_iter(match=_glob_escape(prefix) + "*", count=500)
-        ]
-        n = 0
-        for i in range(0, len(found), 500):
-            n += await client.commands.delete(*found[i : i + 500])
-        await client.commands.srem(keys.container_queues(container), name)
-    return int(n)
+    found = [k async for k in client.scan(_glob_escape(prefix) + "*", 500)]
+    n = 0
+    for i in range(0, len(found), 500):
+        n += await client.delete(*found[i : i + 500])
+    await client.srem(keys.container_queues(container), name)
+    return n
 
 
 def _glob_escape(s: str) -> str:

@@ -27,7 +27,7 @@ import numpy as np
 from qps import buffers, wire
 from qps.errors import InternalError, InvalidArgumentError
 from qps.resp import STREAM_SLICE, Pieces
-from qps.transport import Client, map_errors, write_all
+from qps.transport import Client, write_all
 
 #: Elements larger than this travel out of line, as chunks of this size (measured:
 #: about 2x faster than one large value through redis-py and hiredis).
@@ -447,12 +447,10 @@ async def fetch_large(
                 out[i] = buf
             # else: left as a reference, reported as missing or corrupt by _split_bad
     else:
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for ks in names:
-                for key in ks:
-                    pipe.get(key)
-            chunks = await pipe.execute(raise_on_error=False)
+        batch = client.batch()
+        for key in (key for ks in names for key in ks):
+            batch.get(key)
+        chunks = await batch.run(raise_on_error=False)
         pos = 0
         for (i, (_, _, total)), ks in zip(refs, names):
             parts = chunks[pos : pos + len(ks)]
@@ -466,8 +464,7 @@ async def fetch_large(
                 view[k * CHUNK_BYTES : k * CHUNK_BYTES + len(c)] = c
             out[i] = joined
     if delete:
-        with map_errors():
-            await client.commands.unlink(*[k for ks in names for k in ks])
+        await client.unlink(*[k for ks in names for k in ks])
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from qps.errors import DataLossError, InternalError, InvalidArgumentError, QpsError
 from qps.queues.spec import CLASS_NAMES, MAX_COUNT, QueueSpec
-from qps.transport import Client, map_errors
+from qps.transport import Client, map_errors, reply_text
 
 #: the type each key of a queue must have (items: by kind)
 _ITEM_TYPES = {"fifo": "list", "padding": "list", "shuffle": "hash", "priority": "zset"}
@@ -51,7 +51,7 @@ def failed_read(key: str | bytes, reply: BaseException, why: str = "cannot be re
     if "WRONGTYPE" not in str(reply):
         with map_errors():
             raise reply
-    raise corrupt(key, f"{why} ({reply})")
+    raise corrupt(key, f"{why} ({reply_text(reply)})")
 
 
 def stored_spec(raw: Any, key: str) -> QueueSpec:
@@ -154,19 +154,17 @@ async def diagnose(client: Client, prefix: str) -> DataLossError | None:
     """Look for the corrupt key of the queue whose keys start with ``prefix``: key types,
     the meta hash's fields, the attempt entries. None if nothing is found."""
     names = ("meta", "items", "ew", "dw", "lease", "dlq")
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for name in names:
-            pipe.type(prefix + name)
-        types = [t.decode() if isinstance(t, bytes) else str(t) for t in await pipe.execute()]
+    batch = client.batch()
+    for name in names:
+        batch.type(prefix + name)
+    types = [t.decode() if isinstance(t, bytes) else str(t) for t in await batch.run()]
     found = dict(zip(names, types))
     if found["meta"] == "none":
         return None
     for name, want in _KEY_TYPES.items():
         if found[name] not in ("none", want):
             return corrupt(prefix + name, f"is a {found[name]}, a queue keeps a {want} there")
-    with map_errors():
-        meta = await client.commands.hgetall(prefix + "meta")
+    meta = await client.hgetall(prefix + "meta")
     try:
         spec = check_meta(meta, prefix + "meta")
     except DataLossError as exc:
@@ -176,12 +174,8 @@ async def diagnose(client: Client, prefix: str) -> DataLossError | None:
         return corrupt(
             prefix + "items", f"is a {found['items']}, a {spec.class_name} keeps a {want}"
         )
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.lrange(prefix + "ew", 0, -1)
-        pipe.lrange(prefix + "dw", 0, -1)
-        pipe.zrange(prefix + "lease", 0, -1, withscores=True)
-        ew, dw, lease = await pipe.execute()
+    batch = client.batch().lrange(prefix + "ew", 0, -1).lrange(prefix + "dw", 0, -1)
+    ew, dw, lease = await batch.zrange(prefix + "lease", 0, -1, withscores=True).run()
     for name, entries, pattern in (("ew", ew, EW_ENTRY), ("dw", dw, DW_ENTRY)):
         for e in entries:
             if not pattern.fullmatch(e):
@@ -190,20 +184,17 @@ async def diagnose(client: Client, prefix: str) -> DataLossError | None:
         if not _LEASE_ENTRY.fullmatch(e) or not math.isfinite(score):
             return corrupt(prefix + "lease", f"holds {bytes(e[:60])!r}, not an attempt's lease")
     ids = [e.rsplit(b"|", 1)[1].decode() for e, _ in lease]
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for i in ids:
-            pipe.type(f"{prefix}a:{i}:h")
-            pipe.type(f"{prefix}a:{i}:p")
-        kinds = await pipe.execute()
+    batch = client.batch()
+    for i in ids:
+        batch.type(f"{prefix}a:{i}:h").type(f"{prefix}a:{i}:p")
+    kinds = await batch.run()
     for j, t in enumerate(kinds):
         t = t.decode() if isinstance(t, bytes) else str(t)
         if t not in ("none", "list"):
             key = f"{prefix}a:{ids[j // 2]}:{'hp'[j % 2]}"
             return corrupt(key, f"is a {t}, an attempt keeps a list there")
     if spec.kind == "shuffle":
-        with map_errors():
-            stored = await client.commands.hlen(prefix + "items")
+        stored = await client.hlen(prefix + "items")
         n = count(meta.get(b"n"), prefix + "meta", "n")
         if stored != n:
             return corrupt(prefix + "meta", f"field 'n' is {n} but the items hash holds {stored}")
