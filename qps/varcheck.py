@@ -131,10 +131,7 @@ def opened(key: str, raw: Sequence[Any] | None) -> tuple[VariableSpec, Layout] |
 async def read_opened(client: Client, key: str) -> tuple[VariableSpec, Layout] | None:
     """:func:`opened` of the meta hash ``key`` read now (one round trip)."""
     with naming(key):
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.hmget(key, *OPENED)
-        pipe.exists(key)
-        raw, there = await pipe.execute()
+        raw, there = await client.batch().hmget(key, OPENED).exists(key).run()
     return opened(key, raw if there else None)
 
 
@@ -151,8 +148,7 @@ async def missing(client: Client, meta: str, field: str, gone: QpsError) -> QpsE
     """What a read that found field ``field`` of the meta hash ``meta`` missing raises:
     ``gone`` (NotFoundError) if the meta itself is gone (deleted, or its container
     reset), else DataLossError naming the field."""
-    with map_errors():
-        there = await client.commands.exists(meta)
+    there = await client.exists(meta)
     return field_error(meta, field, None, "a value") if there else gone
 
 
@@ -160,19 +156,17 @@ async def wrong_type(client: Client, prefixes: Sequence[str], exc: QpsError) -> 
     """What an operation on the variables of ``prefixes`` that met a ``WRONGTYPE`` reply
     (``exc``) raises: DataLossError naming the first key of theirs that holds another
     type than qps gives it; ``exc`` itself if none does (any longer)."""
-    with map_errors():
-        for prefix in prefixes:
-            pattern = keys.glob_escape(prefix) + "*"
-            found = [k async for k in client.commands.scan_iter(match=pattern, count=1000)]
-            pipe = client.commands.pipeline(transaction=False)
-            for k in found:
-                pipe.type(k)
-            for k, kind in zip(found, await pipe.execute()):
-                name = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
-                kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-                want = _TYPES.get(name[len(prefix) :], "string")
-                if kind not in (want, "none"):
-                    return DataLossError(f"corrupt state: {name} is a {kind}, not a {want}")
+    for prefix in prefixes:
+        found = [k async for k in client.scan(keys.glob_escape(prefix) + "*", 1000)]
+        batch = client.batch()
+        for k in found:
+            batch.type(k)
+        for k, kind in zip(found, await batch.run()):
+            name = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            want = _TYPES.get(name[len(prefix) :], "string")
+            if kind not in (want, "none"):
+                return DataLossError(f"corrupt state: {name} is a {kind}, not a {want}")
     return exc
 
 

@@ -60,7 +60,7 @@ from qps.errors import (
     QpsError,
 )
 from qps.initializers import Initializer
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from qps.varread import ReadPlan, VariableState, VariableValue, _read_current, read_many, read_plan
 from qps.varspec import (
     MAX_BYTES,
@@ -466,8 +466,7 @@ class Variable:
             NotFoundError: the variable was deleted (its container reset).
         """
         client = await self._c()
-        with map_errors():
-            raw = await client.commands.hget(self._meta, "ver")
+        raw = await client.hget(self._meta, "ver")
         if raw is None:
             raise await self._missing("ver")
         return self._count(raw)
@@ -579,8 +578,7 @@ async def delete_variable(
     keys.check_name(name)
     keys.check_container(container)
     pattern = keys.glob_escape(keys.variable_prefix(container, name)) + "*"
-    with map_errors():
-        found = [k async for k in client.commands.scan_iter(match=pattern, count=1000)]
-        deleted = int(await client.commands.unlink(*found)) if found else 0
-        await client.commands.srem(keys.container_variables(container), name)
+    found = [k async for k in client.scan(pattern, 1000)]
+    deleted = await client.unlink(*found) if found else 0
+    await client.srem(keys.container_variables(container), name)
     return deleted

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from qps import buffers, varcheck
 from qps.errors import AbortedError, DataLossError, InternalError
-from qps.transport import Client, map_errors
+from qps.transport import Batch, Client
 from qps.varspec import ranges_arg, row_runs, split_runs
 from qps.varwrite import text
 
@@ -187,20 +187,17 @@ async def read_state(v: Variable, client: Client) -> VariableState:
     """
     fields = ("gen", "ver", "sgen", "slots", "t")
     for _ in range(FALLBACK_ATTEMPTS):
-        with map_errors():
-            ptr = await client.commands.hmget(v._meta, *fields)
-            if ptr[0] is None:
-                raise await v._missing("gen")
-            names = [n for n in text(ptr[3]).split(",") if n]
-            if names and not ptr[2]:
-                raise varcheck.field_error(v._meta, "sgen", ptr[2], "a generation id")
-            pipe = client.commands.pipeline(transaction=True)
-            queue_chunks(v, pipe, ptr[0])
-            for n in names:
-                for seg, lo, hi in v._layout.chunks():
-                    pipe.getrange(v._slot_seg(ptr[2] or "", n, seg), lo, hi)
-            pipe.hmget(v._meta, *fields)
-            replies = await pipe.execute()
+        ptr = await client.hmget(v._meta, fields)
+        if ptr[0] is None:
+            raise await v._missing("gen")
+        names = [n for n in text(ptr[3]).split(",") if n]
+        if names and not ptr[2]:
+            raise varcheck.field_error(v._meta, "sgen", ptr[2], "a generation id")
+        batch = queue_chunks(v, client.batch(transaction=True), ptr[0])
+        for n in names:
+            for seg, lo, hi in v._layout.chunks():
+                batch.getrange(v._slot_seg(ptr[2] or "", n, seg), lo, hi)
+        replies = await batch.hmget(v._meta, fields).run()
         if replies[-1] != ptr:
             continue
         per = len(v._layout.chunks())
@@ -244,15 +241,15 @@ def assembled(v: Variable, parts: Sequence[bytes], key: Callable[[int], str]) ->
 _POINTER = ("gen", "ver", "prev", "pver")
 
 
-def queue_chunks(v: Variable, pipe: Any, gen: bytes | str) -> None:
+def queue_chunks(v: Variable, batch: Batch, gen: bytes | str) -> Batch:
     for seg, lo, hi in v._layout.chunks():
-        pipe.getrange(v._seg(gen, seg), lo, hi)
+        batch.getrange(v._seg(gen, seg), lo, hi)
+    return batch
 
 
 async def pointer(v: Variable, client: Client) -> tuple[Any, Any]:
     """The current generation and version."""
-    with map_errors():
-        gen, ver = await client.commands.hmget(v._meta, "gen", "ver")
+    gen, ver = await client.hmget(v._meta, ("gen", "ver"))
     if gen is None:
         raise await v._missing("gen")
     return gen, ver
@@ -276,8 +273,7 @@ async def read_lean(
     lengths = await client.read_into([v._seg(gen, i) for i in range(lay.nseg)], targets)
     if lengths is None:
         return False, None
-    with map_errors():
-        now = await client.commands.hmget(v._meta, *_POINTER)
+    now = await client.hmget(v._meta, _POINTER)
     if now[0] is None:
         raise await v._missing("gen")
     intact = _unchanged(now, gen, ver)
@@ -290,14 +286,11 @@ async def read_lean(
 async def read_atomic(v: Variable, client: Client) -> VariableValue:
     """The fallback: learn the generation, then read it inside MULTI/EXEC."""
     for _ in range(FALLBACK_ATTEMPTS):
-        with map_errors():
-            gen = await client.commands.hget(v._meta, "gen")
-            if gen is None:
-                raise await v._missing("gen")
-            pipe = client.commands.pipeline(transaction=True)
-            pipe.hmget(v._meta, *_POINTER)
-            queue_chunks(v, pipe, gen)
-            replies = await pipe.execute()
+        gen = await client.hget(v._meta, "gen")
+        if gen is None:
+            raise await v._missing("gen")
+        batch = client.batch(transaction=True).hmget(v._meta, _POINTER)
+        replies = await queue_chunks(v, batch, gen).run()
         now = replies[0]
         buf: bytearray | None
         if now[0] == gen:  # current, read atomically: a short chunk is corrupt

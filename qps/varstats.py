@@ -10,7 +10,7 @@ from typing import Any
 
 from qps import keys, varcheck
 from qps.errors import DataLossError, NotFoundError
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from qps.varspec import VariableSpec, dtype_name
 
 __all__ = ["VariableStats", "list_variables", "variable_stats"]
@@ -89,8 +89,7 @@ async def list_variables(client: Client, container: str = keys.DEFAULT_CONTAINER
         InvalidArgumentError: an invalid container name.
     """
     keys.check_container(container)
-    with map_errors():
-        names = await client.commands.smembers(keys.container_variables(container))
+    names = await client.smembers(keys.container_variables(container))
     return sorted(_text(n) for n in names)
 
 
@@ -111,7 +110,7 @@ async def variable_stats(
     prefix = keys.variable_prefix(container, name)
     meta = prefix + "meta"
     with varcheck.naming(meta):
-        raw = await client.commands.hgetall(meta)
+        raw = await client.hgetall(meta)
     m = {_text(k): v for k, v in raw.items()}
     opened = varcheck.opened(meta, [m.get(f) for f in varcheck.OPENED] if m else None)
     if opened is None:
@@ -123,12 +122,10 @@ async def variable_stats(
 
     gen, prev = _text(m["gen"]), _text(m.get("prev"))
     data = [f"{prefix}d:{gen}:{i}" for i in range(lay.nseg)]
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for k in data:
-            pipe.strlen(k)
-        pipe.exists(f"{prefix}d:{prev}:0")
-        *lengths, prev_there = await pipe.execute(raise_on_error=False)
+    batch = client.batch()
+    for k in data:
+        batch.strlen(k)
+    *lengths, prev_there = await batch.exists(f"{prefix}d:{prev}:0").run(raise_on_error=False)
     for i, (k, n) in enumerate(zip(data, lengths)):
         if n != lay.segment_size(i):
             held = "holds another type" if isinstance(n, Exception) else f"holds {n} bytes"
@@ -140,11 +137,10 @@ async def variable_stats(
     if memory:
         gens = [gen] + ([prev] if prev_alive else [])
         names = [meta] + [f"{prefix}d:{g}:{i}" for g in gens for i in range(lay.nseg)]
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for k in names:
-                pipe.memory_usage(k)
-            replies = await pipe.execute(raise_on_error=False)
+        batch = client.batch()
+        for k in names:
+            batch.memory_usage(k)
+        replies = await batch.run(raise_on_error=False)
         if not any(isinstance(r, Exception) for r in replies):
             mem = sum(int(r or 0) for r in replies)
     return VariableStats(

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from qps import initializers
 from qps.errors import DataLossError, FailedPreconditionError, InternalError, InvalidArgumentError
-from qps.transport import Client, map_errors, write_all
+from qps.transport import Client, write_all
 from qps.varspec import check_counter, check_indices, format_shape, ranges_arg, row_runs
 
 if TYPE_CHECKING:
@@ -159,10 +159,7 @@ async def unless_held(v: Variable, client: Client, attempt: Callable[[], Awaitab
             await attempt()
             return
         except CheckpointHold as held:
-            with map_errors():
-                await client.blocking.blpop(
-                    [v._prefix + "unheld"], timeout=held.left_ms / 1000 + 0.01
-                )
+            await client.blpop([v._prefix + "unheld"], held.left_ms / 1000 + 0.01)
 
 
 # -- generations ---------------------------------------------------------------------
@@ -227,8 +224,8 @@ async def write_then(
         for batch in batches:
             await write_all(client, batch)
     except BaseException:
-        with contextlib.suppress(Exception), map_errors():  # they expire anyway
-            await client.commands.unlink(*names)
+        with contextlib.suppress(Exception):  # they expire anyway
+            await client.unlink(*names)
         raise
     return await client.run_script(SCRIPT, keys, args)
 
