@@ -66,7 +66,7 @@ from qps.errors import (
     NotFoundError,
 )
 from qps.session import Session
-from qps.transport import Client, map_errors
+from qps.transport import Batch, Client
 from qps.variables import Variable
 from qps.varspec import Layout, VariableSpec, dtype_name
 from qps.varwrite import text
@@ -132,9 +132,8 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
     vreg, creg = keys.container_variables(container), keys.container_counters(container)
     take = _take_held if client.cluster else _take_at_once
     for _ in range(SNAPSHOT_ATTEMPTS):
-        with map_errors():
-            names = sorted(text(n) for n in await client.commands.smembers(vreg))
-            counters = sorted(text(n) for n in await client.commands.smembers(creg))
+        names = sorted(text(n) for n in await client.smembers(vreg))
+        counters = sorted(text(n) for n in await client.smembers(creg))
         t0 = time.perf_counter()
         try:
             replies = await take(client, container, names, counters, snap_id)
@@ -187,20 +186,20 @@ async def _snapshot(client: Client, container: str, snap_id: str) -> _Snap:
     )
 
 
-def _queue_reads(pipe: Any, container: str, counters: list[str], time: bool = True) -> None:
+def _queue_reads(batch: Batch, container: str, counters: list[str], time: bool = True) -> Batch:
     """Queue the snapshot's reads other than the variables' (in the order
     :func:`_snapshot` takes the replies): the registries, the time (unless ``time`` is
     false: a cluster pipeline refuses TIME), the PS config and placement, every
     counter's value and applied ids."""
-    pipe.smembers(keys.container_variables(container))
-    pipe.smembers(keys.container_counters(container))
+    batch.smembers(keys.container_variables(container))
+    batch.smembers(keys.container_counters(container))
     if time:
-        pipe.time()
-    pipe.hgetall(keys.ps_config(container))
-    pipe.hgetall(keys.ps_placement(container))
+        batch.time()
+    batch.hgetall(keys.ps_config(container)).hgetall(keys.ps_placement(container))
     for c in counters:
-        pipe.get(keys.counter_key(container, c))
-        pipe.zrange(keys.counter_applied(container, c), 0, -1, withscores=True)
+        batch.get(keys.counter_key(container, c))
+        batch.zrange(keys.counter_applied(container, c), 0, -1, withscores=True)
+    return batch
 
 
 async def _take_at_once(
@@ -210,14 +209,12 @@ async def _take_at_once(
     ``MULTI``/``EXEC``, one instant of the server (the script loaded first: inside the
     transaction it must not meet NOSCRIPT)."""
     script = client._script(SNAPSHOT)
-    with map_errors():
-        await client.commands.script_load(script.source)
-        pipe = client.commands.pipeline(transaction=True)
-        _queue_reads(pipe, container, counters)
-        for n in names:
-            meta = keys.variable_meta(container, n)
-            pipe.execute_command("EVALSHA", script.sha, 1, meta, snap_id, PIN_TTL_MS)
-        return list(await pipe.execute())
+    await client.script_load(script.source)
+    batch = _queue_reads(client.batch(transaction=True), container, counters)
+    for n in names:
+        meta = keys.variable_meta(container, n)
+        batch.command("EVALSHA", script.sha, 1, meta, snap_id, PIN_TTL_MS)
+    return await batch.run()
 
 
 async def _take_held(
@@ -234,14 +231,10 @@ async def _take_held(
         for reply in pinned:
             if isinstance(reply, BaseException):
                 raise reply
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            _queue_reads(pipe, container, counters, time=False)
-            registries = await pipe.execute()
+        registries = await _queue_reads(client.batch(), container, counters, time=False).run()
     finally:
         await _each(client, RELEASE, metas, [snap_id])  # else the holds run out
-    with map_errors():
-        now = await client.commands.time()
+    now = await client.time()
     return [*registries[:2], now, *registries[2:], *pinned]
 
 
@@ -273,11 +266,10 @@ async def _read_pinned(
     buf = bytearray(lay.nbytes)
     chunks = lay.chunks()
     if chunks:
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for seg, lo, hi in chunks:
-                pipe.getrange(f"{prefix}{seg}", lo, hi)
-            parts = await pipe.execute()
+        batch = client.batch()
+        for seg, lo, hi in chunks:
+            batch.getrange(f"{prefix}{seg}", lo, hi)
+        parts = await batch.run()
         view = memoryview(buf)
         at = 0
         for (_, lo, hi), part in zip(chunks, parts, strict=True):
@@ -477,20 +469,15 @@ async def restore(
         counter = Counter(c, container=cont, client=client, initial=value)
         await counter.set(value)
         if cv["applied"]:
-            with map_errors():
-                await client.commands.zadd(
-                    keys.counter_applied(cont, c), {i: s for i, s in cv["applied"]}
-                )
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        pipe.set(keys.registration(cont), 1, nx=True)
-        if m["placement"]:
-            pipe.hset(keys.ps_placement(cont), mapping=dict(m["placement"]))
-        if m["config"]:
-            pipe.hset(keys.ps_config(cont), mapping=dict(m["config"]))
-        if packed is not None:
-            pipe.set(keys.packed_layout(cont), packed.to_json())
-        await pipe.execute()
+            await client.zadd(keys.counter_applied(cont, c), {i: s for i, s in cv["applied"]})
+    batch = client.batch().set(keys.registration(cont), 1, nx=True)
+    if m["placement"]:
+        batch.hset(keys.ps_placement(cont), m["placement"])
+    if m["config"]:
+        batch.hset(keys.ps_config(cont), m["config"])
+    if packed is not None:
+        batch.set(keys.packed_layout(cont), packed.to_json())
+    await batch.run()
     return ck.info
 
 
@@ -552,13 +539,9 @@ async def _restore_variable(
     else:
         await var.fence(token)
         if int(v["t"]):
-            with map_errors():
-                await client.commands.hset(keys.variable_meta(container, name), "t", int(v["t"]))
+            await client.hset(keys.variable_meta(container, name), "t", int(v["t"]))
     if v["applied"]:
-        with map_errors():
-            await client.commands.zadd(
-                keys.variable_applied(container, name), {i: s for i, s in v["applied"]}
-            )
+        await client.zadd(keys.variable_applied(container, name), {i: s for i, s in v["applied"]})
 
 
 def _source(name: str) -> str:

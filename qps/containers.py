@@ -26,8 +26,6 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from qps import keys, registry
 from qps.counters import INT64_MAX, INT64_MIN, Counter, counter_values, list_counters
 from qps.errors import (
@@ -43,7 +41,7 @@ from qps.registry import (
     list_containers,
     register_container,
 )
-from qps.transport import Client, map_errors, translate
+from qps.transport import Client, reply_text
 
 log = logging.getLogger("qps.containers")
 
@@ -104,20 +102,18 @@ async def _resources(client: Client, container: str) -> tuple[dict[str, list[str
     """The valid names in each registry set of ``container``, and what was skipped: a
     set that is another type of key, a member that is not a valid resource name."""
     tags = list(keys.RESOURCE_KINDS)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for tag in tags:
-            pipe.smembers(keys.container_registry(container, tag))
-        replies = await pipe.execute(raise_on_error=False)
+    batch = client.batch()
+    for tag in tags:
+        batch.smembers(keys.container_registry(container, tag))
+    replies = await batch.run(raise_on_error=False)
     out: dict[str, list[str]] = {}
     problems: list[str] = []
     for tag, kind, members in zip(tags, KINDS, replies, strict=True):
         where = keys.container_registry(container, tag)
+        if isinstance(members, PermissionDeniedError):
+            raise members
         if isinstance(members, Exception):
-            err = translate(members) if isinstance(members, RedisError) else members
-            if isinstance(err, PermissionDeniedError):
-                raise err from members
-            problems.append(f"{where}: {members}")
+            problems.append(f"{where}: {reply_text(members)}")
             out[kind] = []
             continue
         names = []
@@ -236,14 +232,14 @@ async def _memory(client: Client, found: list[bytes]) -> tuple[dict[str, int] | 
     by_kind: dict[str, int] = {}
     for i in range(0, len(found), BATCH):
         chunk = found[i : i + BATCH]
-        with map_errors():
-            pipe = client.commands.pipeline(transaction=False)
-            for key in chunk:
-                pipe.memory_usage(key)
-            replies = await pipe.execute(raise_on_error=False)
+        batch = client.batch()
+        for key in chunk:
+            batch.memory_usage(key)
+        replies = await batch.run(raise_on_error=False)
         for key, reply in zip(chunk, replies, strict=True):
             if isinstance(reply, Exception):
-                return None, f"not measured: this server does not answer MEMORY USAGE ({reply})"
+                why = reply_text(reply)
+                return None, f"not measured: this server does not answer MEMORY USAGE ({why})"
             label = _kind_label(key)
             by_kind[label] = by_kind.get(label, 0) + int(reply or 0)  # None: deleted since
     return by_kind, None
@@ -331,11 +327,6 @@ class ResetResult:
         return out
 
 
-async def _unlink(client: Client, batch: list[bytes]) -> int:
-    with map_errors():
-        return int(await client.commands.unlink(*batch))
-
-
 async def _reset_one(client: Client, container: str) -> ResetResult:
     registered = await registry.is_registered(client, container)
     resources, problems = await _resources(client, container)
@@ -354,10 +345,10 @@ async def _reset_one(client: Client, container: str) -> ResetResult:
             found_last += 1
             batch.append(key)
             if len(batch) >= BATCH:
-                deleted += await _unlink(client, batch)
+                deleted += await client.unlink(*batch)
                 batch = []
         if batch:
-            deleted += await _unlink(client, batch)
+            deleted += await client.unlink(*batch)
         seen_keys = seen_keys or found_last > 0
         if found_last == 0:
             break
@@ -370,8 +361,7 @@ async def _reset_one(client: Client, container: str) -> ResetResult:
         )
     # Unregistered last: a reset that dies half-way leaves the container listed, so
     # running it again finishes the job.
-    with map_errors():
-        deleted += int(await client.commands.unlink(mark))
+    deleted += await client.unlink(mark)
     await registry.drop_legacy_entry(client, container.encode())
     return ResetResult(
         container=container,

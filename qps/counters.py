@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, cast
-
-from redis.exceptions import RedisError
+from typing import Any
 
 from qps import keys, registry
 from qps.errors import (
@@ -24,7 +22,7 @@ from qps.errors import (
     OutOfRangeError,
     QpsError,
 )
-from qps.transport import Client, map_errors, translate
+from qps.transport import Client, reply_text
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -64,16 +62,17 @@ def stored_int64(raw: Any, key: str, what: str) -> int:
     raise DataLossError(f"{what}: {key} holds {raw!r}, not an int64")
 
 
-def _stored_error(exc: Exception | str, key: str, what: str) -> QpsError:
+def _stored_error(exc: QpsError | str, key: str, what: str, *, reply: bool = False) -> QpsError:
     """The error for a Redis error met on a counter's value key: another type of key
-    or a value that is no int64 is data loss (named by its key), else as translated."""
-    text = str(exc)
+    or a value that is no int64 is data loss (named by its key), else as translated.
+    ``reply``: ``exc`` is an error reply left in place, quoted in the server's words."""
+    text = reply_text(exc) if reply and isinstance(exc, QpsError) else str(exc)
     if "WRONGTYPE" in text:
         return DataLossError(f"{what}: {key} is not a string key ({text})")
     if "not an integer" in text:
         return DataLossError(f"{what}: {key} holds a value that is not an int64 ({text})")
-    if isinstance(exc, RedisError):
-        return translate(exc)
+    if reply and isinstance(exc, QpsError):
+        return exc
     return InternalError(f"{what}: {text}")
 
 
@@ -85,10 +84,7 @@ async def counter_values(
     if not names:
         return {}, []
     counter_keys = [keys.counter_key(container, n) for n in names]
-    with map_errors():
-        # each counter has a hash tag of its own: on a cluster, MGET per slot
-        mget = cast(Any, client.commands).mget_nonatomic if client.cluster else client.commands.mget
-        raw = await mget(counter_keys)
+    raw = await client.mget(counter_keys)  # each has a hash tag of its own: per slot
     values: dict[str, int] = {}
     problems: list[str] = []
     absent: list[str] = []
@@ -101,8 +97,7 @@ async def counter_values(
         except DataLossError as exc:
             problems.append(str(exc))
     for key in absent:
-        with map_errors():
-            kind = registry.text_of(await client.commands.type(key))
+        kind = await client.type(key)
         if kind != "none":
             problems.append(f"{key} is a {kind}, not a string: its counter is left out")
     return values, problems
@@ -118,8 +113,7 @@ async def list_counters(client: Client, container: str = keys.DEFAULT_CONTAINER)
     keys.check_container(container)
     where = keys.container_counters(container)
     try:
-        with map_errors():
-            names = await client.commands.smembers(where)
+        names = await client.smembers(where)
     except InternalError as exc:
         raise _stored_error(exc, where, f"container '{container}'") from exc
     out = []
@@ -186,16 +180,13 @@ class Counter:
             self._client = await default_client()
         if not self._opened:
             where = keys.container_counters(self._container)
-            with map_errors():
-                pipe = self._client.commands.pipeline(transaction=False)
-                pipe.set(self._key, self._initial, nx=True)
-                pipe.set(keys.registration(self._container), 1, nx=True)
-                pipe.sadd(where, self._name)
-                replies = await pipe.execute(raise_on_error=False)
+            batch = self._client.batch().set(self._key, self._initial, nx=True)
+            batch.set(keys.registration(self._container), 1, nx=True).sadd(where, self._name)
+            replies = await batch.run(raise_on_error=False)
             written = (self._key, keys.registration(self._container), where)
             for key, reply in zip(written, replies, strict=True):
-                if isinstance(reply, Exception):
-                    raise _stored_error(reply, key, self._what) from reply
+                if isinstance(reply, QpsError):  # translated: its cause is Redis's
+                    raise _stored_error(reply, key, self._what, reply=True) from reply.__cause__
             self._opened = True
         return self._client
 
@@ -228,8 +219,7 @@ class Counter:
         """
         client = await self._c()
         try:
-            with map_errors():
-                raw = await client.commands.get(self._key)
+            raw = await client.get(self._key)
         except InternalError as exc:
             raise _stored_error(exc, self._key, self._what) from exc
         if raw is None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from qps import keys
 from qps.errors import InvalidArgumentError
-from qps.transport import Client, map_errors
+from qps.transport import Client
 from qps.variables import open_variable
 
 __all__ = ["PackLayout", "layout_of", "read_layout", "read_view", "record_layout"]
@@ -86,14 +86,12 @@ class PackLayout:
 async def record_layout(client: Client, container: str, layout: PackLayout) -> None:
     """Record ``layout`` as the container's (the chief does, when it makes the model
     ready; a later one replaces it)."""
-    with map_errors():
-        await client.commands.set(keys.packed_layout(container), layout.to_json())
+    await client.set(keys.packed_layout(container), layout.to_json())
 
 
 async def read_layout(client: Client, container: str) -> PackLayout | None:
     """The container's packed-model layout; None if none was recorded."""
-    with map_errors():
-        raw = await client.commands.get(keys.packed_layout(container))
+    raw = await client.get(keys.packed_layout(container))
     return None if raw is None else PackLayout.from_json(raw)
 
 

@@ -33,11 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from qps import keys
 from qps.errors import InternalError, PermissionDeniedError
-from qps.transport import Client, map_errors, translate
+from qps.transport import Client, reply_text
 
 log = logging.getLogger("qps.containers")
 
@@ -70,15 +68,13 @@ async def register_container(client: Client, container: str) -> None:
         PermissionDeniedError: the credentials do not reach the container.
     """
     keys.check_container(container)
-    with map_errors():
-        await client.commands.set(keys.registration(container), 1, nx=True)
+    await client.set(keys.registration(container), 1, nx=True)
 
 
 async def scan_keys(client: Client, pattern: str) -> AsyncIterator[bytes]:
     """The keys matching ``pattern`` (on a cluster, those of every primary)."""
-    with map_errors():
-        async for key in client.commands.scan_iter(match=pattern, count=SCAN_COUNT):
-            yield key if isinstance(key, bytes) else str(key).encode()
+    async for key in client.scan(pattern, SCAN_COUNT):
+        yield key if isinstance(key, bytes) else str(key).encode()
 
 
 async def _containers_of(
@@ -107,13 +103,12 @@ async def _legacy(client: Client) -> tuple[set[str], list[bytes], list[str]]:
     """The valid names of the legacy set, its invalid entries, and the problems met."""
     where = keys.CONTAINERS
     try:
-        with map_errors():
-            kind = text_of(await client.commands.type(where))
-            if kind == "none":
-                return set(), [], []
-            if kind != "set":
-                return set(), [], [f"{where} is a {kind}, not a set: ignored"]
-            members = await client.commands.smembers(where)
+        kind = await client.type(where)
+        if kind == "none":
+            return set(), [], []
+        if kind != "set":
+            return set(), [], [f"{where} is a {kind}, not a set: ignored"]
+        members = await client.smembers(where)
     except (PermissionDeniedError, InternalError) as exc:
         return set(), [], [f"{where} (the legacy registry) cannot be read: {exc}"]
     names: set[str] = set()
@@ -132,25 +127,22 @@ async def _legacy(client: Client) -> tuple[set[str], list[bytes], list[str]]:
 async def in_legacy(client: Client, container: str) -> bool:
     """Whether the legacy set lists ``container`` (False where it cannot be read)."""
     try:
-        with map_errors():
-            return bool(await client.commands.sismember(keys.CONTAINERS, container))
+        return await client.sismember(keys.CONTAINERS, container)
     except (PermissionDeniedError, InternalError):
         return False
 
 
 async def is_registered(client: Client, container: str) -> bool:
     """Whether ``container`` has its registration key or is in the legacy set."""
-    with map_errors():
-        if await client.commands.exists(keys.registration(container)):
-            return True
+    if await client.exists(keys.registration(container)):
+        return True
     return await in_legacy(client, container)
 
 
 async def unregister(client: Client, container: str) -> None:
     """Delete the registration key of ``container`` and take it out of the legacy set
     (where the credentials allow: a tenant cannot write that set, and need not)."""
-    with map_errors():
-        await client.commands.unlink(keys.registration(container))
+    await client.unlink(keys.registration(container))
     await drop_legacy_entry(client, container.encode())
 
 
@@ -158,8 +150,7 @@ async def drop_legacy_entry(client: Client, raw: bytes) -> bool:
     """Remove ``raw`` from the legacy set; False where that is not allowed or it is not
     a set."""
     try:
-        with map_errors():
-            await client.commands.srem(keys.CONTAINERS, raw)
+        await client.srem(keys.CONTAINERS, raw)
         return True
     except (PermissionDeniedError, InternalError):
         return False
@@ -239,24 +230,22 @@ async def summaries(client: Client, found: Listing) -> list[ContainerSummary]:
     if not found.names:
         return []
     tags = list(keys.RESOURCE_KINDS)
-    with map_errors():
-        pipe = client.commands.pipeline(transaction=False)
-        for name in found.names:
-            for tag in tags:
-                pipe.scard(keys.container_registry(name, tag))
-        counts = await pipe.execute(raise_on_error=False)
+    batch = client.batch()
+    for name in found.names:
+        for tag in tags:
+            batch.scard(keys.container_registry(name, tag))
+    counts = await batch.run(raise_on_error=False)
     out = []
     for i, name in enumerate(found.names):
         resources: dict[str, int | None] = {}
         problems: list[str] = []
         for j, (tag, kind) in enumerate(zip(tags, KINDS, strict=True)):
             reply = counts[i * len(tags) + j]
+            if isinstance(reply, PermissionDeniedError):
+                raise reply
             if isinstance(reply, Exception):
-                err = translate(reply) if isinstance(reply, RedisError) else reply
-                if isinstance(err, PermissionDeniedError):
-                    raise err from reply
                 resources[kind] = None
-                problems.append(f"{keys.container_registry(name, tag)}: {reply}")
+                problems.append(f"{keys.container_registry(name, tag)}: {reply_text(reply)}")
             else:
                 resources[kind] = int(reply)
         out.append(ContainerSummary(name, name in found.registered, resources, tuple(problems)))

@@ -42,7 +42,7 @@ from qps.queues import (
     RandomShuffleQueue,
     list_queues,
 )
-from qps.transport import Client, connect, map_errors
+from qps.transport import Client, connect
 from qps.variables import Variable, VariableValue, list_variables
 
 
@@ -266,10 +266,7 @@ class Session:
         """
         keys.check_name(name)
         client = self.client
-        with map_errors():
-            raw = await client.commands.hget(
-                keys.queue_prefix(self._container, name) + "meta", "spec"
-            )
+        raw = await client.hget(keys.queue_prefix(self._container, name) + "meta", "spec")
         if raw is None:
             raise NotFoundError(f"no queue '{name}' in container '{self._container}'")
         return queue_from_spec(QueueSpec.from_json(raw), name, self._container, client)
