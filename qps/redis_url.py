@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from qps import resp
 from qps.errors import InvalidArgumentError
@@ -166,3 +167,22 @@ def split_cluster_param(url: str) -> tuple[str, bool | None]:
         found = _yes_no(value, "cluster= in the Redis URL")
     rest = "&".join(p for p in kept if p)
     return (base + ("?" + rest if rest else "") + fragment), found
+
+
+def check_form(url: str) -> None:
+    """Build, connecting nothing, the connection redis-py would make of ``url`` (its
+    ``cluster=`` parameter taken off): the scheme, host and port and the query options.
+
+    Raises:
+        TypeError: an unknown query option (redis-py passes one to its connection as a
+            keyword argument).
+        InvalidArgumentError: the URL is malformed otherwise (redis-py's words).
+    """
+    try:
+        base, _ = split_cluster_param(url)
+        pool = aioredis.ConnectionPool.from_url(base)
+        pool.connection_class(**pool.connection_kwargs)  # builds it; connects nothing
+    except InvalidArgumentError:
+        raise
+    except (ValueError, RedisError) as exc:
+        raise InvalidArgumentError(str(exc)) from exc

@@ -101,17 +101,17 @@ async def _read_current(variables: Sequence[Variable]) -> list[VariableValue | N
 
 def _current_commands(variables: Sequence[Variable]) -> list[tuple[Any, ...]]:
     """The commands of :func:`_read_current`, to run inside one ``MULTI``/``EXEC``."""
-    commands: list[tuple[Any, ...]] = []
+    reads: list[tuple[Any, ...]] = []
     for v in variables:
-        commands.append((b"HMGET", v._meta, b"ver", b"curver"))
-        commands.append((b"GET", v._prefix + "cur"))
-    return commands
+        reads.append((b"HMGET", v._meta, b"ver", b"curver"))
+        reads.append((b"GET", v._prefix + "cur"))
+    return reads
 
 
 def _current_values(
     variables: Sequence[Variable], replies: Sequence[Any]
 ) -> list[VariableValue | None]:
-    """The values of :func:`_read_current` from the replies of its commands."""
+    """The values of :func:`_read_current` from the replies to its reads."""
     out: list[VariableValue | None] = []
     for k, v in enumerate(variables):
         (ver, curver), data = replies[2 * k], replies[2 * k + 1]

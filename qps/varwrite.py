@@ -327,13 +327,13 @@ def publish_plan(
     if v.nbytes * (1 + len(slots)) > WRITE_BATCH_BYTES:
         return None
     p = publication(v, value, version, token, slots, applied, t)
-    commands = [c for b in write_batches(v, p.gen, p.view, p.slots) for c in b]
-    commands.append(("EVALSHA", script_of(v._client).sha, 1, v._meta, *p.args))
+    sent = [c for b in write_batches(v, p.gen, p.view, p.slots) for c in b]
+    sent.append(("EVALSHA", script_of(v._client).sha, 1, v._meta, *p.args))
 
     def check(reply: Any) -> None:
         v._check_write(reply, "publish", p.version, p.token)
 
-    return commands, check
+    return sent, check
 
 
 async def publish_rows(

@@ -30,8 +30,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import click
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from qps import keys, transport
 from qps.errors import (
@@ -238,12 +236,10 @@ def check_url(url: str | None) -> str | None:
         return url
     remember_url(url)
     try:
-        base, _ = transport.split_cluster_param(url)
-        pool = aioredis.ConnectionPool.from_url(base)
-        pool.connection_class(**pool.connection_kwargs)  # builds it; connects nothing
+        transport.check_form(url)
     except TypeError as exc:  # e.g. '?=' in an unquoted password: an option named ''
         raise _invalid_url(url, f"unknown query option ({exc})") from exc
-    except (ValueError, RedisError, InvalidArgumentError) as exc:
+    except InvalidArgumentError as exc:
         raise _invalid_url(url, exc) from exc
     return url
 

@@ -1,4 +1,4 @@
-"""Write the CLI reference (``docs/cli-reference.md``) from the click commands.
+"""Write the CLI reference (``docs/cli-reference.md``) from the click command tree.
 
 The reference is generated, never written by hand: this module walks the ``qps`` click
 group (:data:`qps.cli.main.cli`) recursively and renders, for every command, its usage

@@ -138,7 +138,8 @@ def name_envvars(command: click.Command, path: Sequence[str] = ()) -> None:
             param.envvar = names[0] if len(names) == 1 else names
         param.show_envvar = True
     if isinstance(command, click.Group):
-        for name, sub in command.commands.items():
+        subs = command.commands
+        for name, sub in subs.items():
             name_envvars(sub, (*path, name))
 
 

@@ -112,13 +112,13 @@ class Apply(Settle):
         """Per message: which of its variables (and its global-step increment) recorded
         its id already."""
         gs_key = keys.counter_applied(self.container, keys.GLOBAL_STEP)
-        commands: list[tuple[Any, ...]] = []
+        reads: list[tuple[Any, ...]] = []
         for m in msgs:
             for name in m.grads:
-                commands.append(("ZSCORE", keys.variable_applied(self.container, name), m.id))
+                reads.append(("ZSCORE", keys.variable_applied(self.container, name), m.id))
             if m.global_step:
-                commands.append(("ZSCORE", gs_key, m.id))
-        replies = iter(await self.client.run_commands(commands) if commands else [])
+                reads.append(("ZSCORE", gs_key, m.id))
+        replies = iter(await self.client.run_commands(reads) if reads else [])
         flags: list[dict[str, bool]] = []
         gs: list[bool] = []
         for m in msgs:

@@ -205,22 +205,22 @@ class Commits(Apply):
             await variables.load_publish_script(self.client)
             await _load(self.client, "ps/count_steps", "ps/tokens")
             self._scripts_loaded = True
-        commands = [c for cmds, _ in plans for c in cmds]
+        sent = [c for cmds, _ in plans for c in cmds]
         if gs_ids:
             await self._open_global_step()
             gk = self._step_keys()
             sha = _sha(self.client, "ps/count_steps")
-            commands.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
+            sent.append(("EVALSHA", sha, len(gk), *gk, APPLIED_KEEP_MS, *gs_ids))
         riding = 0
         if grant is not None:
             ks = grant.keys()
             sha = _sha(self.client, "ps/tokens")
-            commands.append(("EVALSHA", sha, len(ks), *ks, *grant.args()))
+            sent.append(("EVALSHA", sha, len(ks), *ks, *grant.args()))
             if len(self._release_later) >= RIDE_COMMANDS:  # after the tokens: not before
                 later, self._release_later = _coalesced(self._release_later), []
-                commands += later
+                sent += later
                 riding = len(later)
-        replies = await self.client.run_commands_replies(commands)
+        replies = await self.client.run_commands_replies(sent)
         handed, acked = False, None
         if riding:
             self._release_replies(replies[-riding:])

@@ -228,13 +228,13 @@ class ShardCore:
         if taken:
             incr = {**incr, TAKEN: taken}
         stats = self._prefix + "stats"
-        commands: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
+        writes: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
         if fields:
-            commands.append(("HSET", stats, *(x for kv in fields.items() for x in kv)))
-        if not commands:
+            writes.append(("HSET", stats, *(x for kv in fields.items() for x in kv)))
+        if not writes:
             return
         try:
-            await self.client.run_commands(commands)
+            await self.client.run_commands(writes)
         except QpsError as exc:
             self._list_taken += taken  # counted with the next write
             self.log.warning("could not write stats: %s", exc)

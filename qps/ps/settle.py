@@ -147,14 +147,14 @@ class Settle(Readers):
         if self._list_taken:  # what the reader took meanwhile (one field, same write)
             incr[TAKEN], self._list_taken = self._list_taken, 0
         stats = self._prefix + "stats"
-        commands: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
+        writes: list[tuple[Any, ...]] = [("HINCRBY", stats, k, n) for k, n in incr.items()]
         now_ms = int(time.time() * 1000)
         marks: dict[str, int] = {"last_ms": now_ms, "held_bytes": self._held_bytes()}
         if g.fresh and not self._applied_once:  # this run's first applied group
             marks["first_ms"] = now_ms
             self._applied_once = True
-        commands.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
-        return commands
+        writes.append(("HSET", stats, *(x for kv in marks.items() for x in kv)))
+        return writes
 
     async def _released(self, g: _Group) -> None:
         """After an ack that took: forget the group's ids and count what was done.

@@ -127,17 +127,17 @@ def batch_commands(
         size = view.nbytes // rows
         groups = [(aid, rows, view)]
     values: list[bytes] = []
-    commands: list[tuple[Any, ...]] = []
+    writes: list[tuple[Any, ...]] = []
     for bid, count, value in groups:
         key = batch_key(prefix, bid)
-        commands.append((b"SET", key, value, b"PX", CHUNK_TTL_MS))
-        commands.append((b"SET", key + ":u", count, b"PX", CHUNK_TTL_MS))
+        writes.append((b"SET", key, value, b"PX", CHUNK_TTL_MS))
+        writes.append((b"SET", key + ":u", count, b"PX", CHUNK_TTL_MS))
         if entry:
             values.append(f"QB|{bid}|0|{count}|{size}".encode())
         else:
             head, tail = f"QS|{bid}|".encode(), f"|{size}".encode()
             values.extend([b"%s%d%s" % (head, i, tail) for i in range(count)])
-    return values, commands
+    return values, writes
 
 
 def rows_buffer(blobs: Sequence[Any]) -> Any:
@@ -396,7 +396,7 @@ async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any
     if not any(is_large(b) for b in blobs):
         return blobs
     out: list[Any] = []
-    commands: list[tuple[Any, ...]] = []
+    writes: list[tuple[Any, ...]] = []
     for i, blob in enumerate(blobs):
         parts = blob if isinstance(blob, list) else [blob]
         total = sum(nbytes(p) for p in parts)
@@ -406,9 +406,9 @@ async def store_large(client: Client, prefix: str, aid: str, blobs: Sequence[Any
         bid = f"{aid}.{i}"
         chunks = chunks_of(parts, CHUNK_BYTES)
         for key, chunk in zip(chunk_keys(prefix, bid, len(chunks)), chunks):
-            commands.append((b"SET", key, chunk, b"PX", CHUNK_TTL_MS))
+            writes.append((b"SET", key, chunk, b"PX", CHUNK_TTL_MS))
         out.append(f"QR|{bid}|{len(chunks)}|{total}".encode())
-    await write_all(client, commands)
+    await write_all(client, writes)
     return out
 
 
