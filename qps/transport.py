@@ -12,16 +12,21 @@ The layer is split along its seams; each module is small enough to read in one g
   CPU per call (docs/embedded.md, "Connections");
 * :mod:`qps.redis_cluster` — :class:`ClusterClient`: the same operations on the
   cluster node owning the call's slot, with MOVED/ASK handled in one place;
+* :mod:`qps.redis_ops` — :class:`~qps.redis_ops.PlainCommands`, the plain commands the
+  layers above use (typed methods of :class:`Client`, each translating its errors), and
+  :class:`Batch`, commands run in one round trip;
 * :mod:`qps.redis_scripts` — the Lua scripts of ``qps/lua`` and their SHAs;
-* :mod:`qps.redis_url` — URLs, the redis-py pools and the lean connections' endpoint;
+* :mod:`qps.redis_url` — URLs (and their form, :func:`check_form`), the redis-py pools
+  and the lean connections' endpoint;
 * :mod:`qps.redis_errors` — every Redis error translated into :mod:`qps.errors`.
 
-Everything else (``client.commands``: queue inspection, large-element chunks,
-variables, the CLI...) goes through redis-py pools with **no retries** (a retried
-``EVALSHA`` could apply a state transition twice). ``client.blocking`` is redis-py's
-pool for blocking waits; with lean connections it is used only after ``close()``. A
-pooled connection that was reset while idle (a cut link) is replaced before its next
-use, as a dead lean connection is (see ``_Pool``).
+Everything else (queue inspection, large-element chunks, variables, job state, the
+CLI...) is the client's plain commands (:mod:`qps.redis_ops`), which go through two
+redis-py clients with **no retries** (a retried ``EVALSHA`` could apply a state
+transition twice): ``client.commands``, and ``client.blocking`` for the blocking
+commands (``BLPOP``, ``BLMOVE``). No module above this layer calls them, or imports
+redis-py, itself. A pooled connection that was reset while idle (a cut link) is
+replaced before its next use, as a dead lean connection is (see ``_Pool``).
 
 A :class:`Client` made by :func:`from_redis` (fakeredis in the tests, or any redis-py
 client) has no lean connections: its round trips are redis-py pipelines.
