@@ -101,9 +101,10 @@ class PlainCommands:
             return dict(await self.commands.hgetall(key))
 
     async def hset(
-        self, key: Key, field: Field | None = None, value: Value | None = None,
+        self, key: Key, field: Field | None = None, value: Value | None = None, *,
         mapping: Mapping[Any, Any] | None = None,
     ) -> int:  # fmt: skip
+        """``HSET key field value``, or every pair of ``mapping``."""
         with map_errors():
             return int(await self.commands.hset(key, field, value, mapping))
 
@@ -166,9 +167,9 @@ class PlainCommands:
         with map_errors():
             return list(await self.commands.zrange(key, start, stop, withscores=withscores))
 
-    async def zadd(self, key: Key, mapping: Mapping[Any, float], *, nx: bool = False) -> int:
+    async def zadd(self, key: Key, mapping: Mapping[Any, float]) -> int:
         with map_errors():
-            return int(await self.commands.zadd(key, dict(mapping), nx=nx))
+            return int(await self.commands.zadd(key, dict(mapping)))
 
     async def zmscore(self, key: Key, members: Sequence[Value]) -> list[float | None]:
         with map_errors():
@@ -195,9 +196,6 @@ class Batch:
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
         self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
 
     def _add(self, name: str, *args: Any, **kw: Any) -> Batch:
         getattr(self._pipe, name)(*args, **kw)
