@@ -191,7 +191,7 @@ class Connection(asyncio.Protocol):
             self._close_transport()
 
     def eof_received(self) -> bool | None:
-        self._fail(f"Redis closed the connection {self._name}")
+        self._fail(f"lost the Redis connection {self._name}: the server closed it")
         return None  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -144,7 +144,7 @@ class BulkReader(asyncio.BufferedProtocol):
                 fut.set_result(self._results)
 
     def eof_received(self) -> bool | None:
-        self._fail(f"Redis closed the connection {self._name}")
+        self._fail(f"lost the Redis connection {self._name}: the server closed it")
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -203,6 +203,26 @@ def test_wait_command_prints_the_state_or_times_out(redis_url: str, built: str) 
     )
 
 
+def test_wait_for_serving_before_any_worker_says_serving(redis_url: str) -> None:
+    """Shards up, no worker yet: the job's own state is still "starting", but the line
+    names the state waited for (it said "job starting" when the shards served)."""
+    c = _container()
+
+    async def serving(cl: qps.Client) -> None:
+        await control.configure(cl, c, 2, make_optimizer("sgd", learning_rate=0.1))
+        for shard in (0, 1):
+            await _shard_up(cl, c, shard, "running")
+
+    _run(redis_url, serving)
+    r = invoke("job", "wait", "--for", "serving", "--timeout", "30", "--url", redis_url,
+               "--container", c)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert r.output == (
+        f"container {c}: job serving (no worker yet), global step 0, 0 worker(s), "
+        "2 PS shard(s)\n"
+    )
+
+
 def test_stop_asks_unless_yes(redis_url: str, built: str, monkeypatch: pytest.MonkeyPatch) -> None:
     r = invoke("job", "stop", "--url", redis_url, "--container", built)
     assert r.exit_code == 2 and "pass --yes" in r.output  # stdin is not a terminal

@@ -25,7 +25,7 @@ from qps.errors import FailedPreconditionError
 from qps.ps import control
 from tests.conftest import until
 from tests.test_train import REPO, _container, _processes_of, _train, _wait_for_line
-from workers import lifecycle
+from workers import job, lifecycle
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -164,6 +164,8 @@ async def test_a_rerun_after_a_crash_resumes_from_redis_and_a_finished_job_is_no
         left = await client.commands.get(lifecycle.lease_key(c))
         step = await control.global_step_counter(client, c).get()
         assert not await control.is_finished(client, c)
+        statuses = await job.read_statuses(client, c)
+        published = sum(int(statuses[w].get("examples", 0)) for w in ("worker0", "worker1"))
     newest = checkpoint.list_checkpoints(tmp_path / "ck")[-1]
     assert 0 < newest.global_step <= step
 
@@ -181,6 +183,9 @@ async def test_a_rerun_after_a_crash_resumes_from_redis_and_a_finished_job_is_no
     # both workers' 1,500 steps; the ones done after a worker's last published status
     # (at most --log-every each) were done again
     assert 3000 <= result["global_step"] <= 3000 + 2 * 20 + 2, result
+    # the examples (and examples/s) are this run's: the workers' 3,000 steps of 64 less
+    # what the first run had published, not the job's total against this run's time
+    assert result["examples"] == 3000 * 64 - published > 0, (result, published)
     assert result["test_value"] >= 0.9, result
     assert _processes_of(c) == []
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -514,6 +515,12 @@ def test_train(
     for role in ("ps0", "worker0", "worker1"):  # each stopped at once on the launcher's SIGTERM
         said = [ln for ln in t.lines if ln.startswith(f"[{role}]") and "stopped (SIGTERM)" in ln]
         assert said, out
+    # the summary counts every step the workers made (their final statuses, published as
+    # they stopped), not the last status read while they ran (every 20 steps)
+    steps = [re.search(r"stopped after (\d+) step", ln) for ln in t.lines]
+    made = sum(int(m.group(1)) for m in steps if m)
+    summary = [ln for ln in t.lines if "interrupted: test accuracy" in ln]
+    assert summary and f", {made * 64:,} examples in " in summary[-1], (made, out)
 
 
 #: `qps train`'s bound under a loaded machine (CI beside the tests): its own target is

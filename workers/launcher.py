@@ -87,6 +87,8 @@ EXIT_INTERRUPTED = 130
 #: after a stop request: how long the report (the final parameters' metric, the
 #: staleness) may take, counted from the request, before the result goes without it
 REPORT_SECONDS = 1.5
+#: after an interrupt: how long the launcher waits for the workers' final statuses
+FINAL_READ_SECONDS = 0.5
 
 
 @dataclass
@@ -112,6 +114,14 @@ class JobResult:
     restored_step: int | None = None
     resumed_from: str | None = None  # "redis" or "checkpoint": a rerun went on from it
     resumed_step: int | None = None
+    #: the workers' examples when this run started (a resumed job's earlier runs)
+    examples_before: int = 0
+
+    def saw(self, progress: tuple[int, int, float | None, int]) -> None:
+        """Take a reading of :func:`workers.roles.progress`: the global step, the
+        examples of this run (not those of the runs it resumed), the chief's loss."""
+        step, examples, self.last_loss, _ = progress
+        self.global_step, self.examples = step, max(0, examples - self.examples_before)
 
     @property
     def examples_per_second(self) -> float:
@@ -186,6 +196,8 @@ async def run_job(
             if plan.checkpoint is not None:
                 result.restored_from, result.restored_step = str(plan.checkpoint), plan.global_step
             await _configure(client, container, cfg, stopper)
+            async with stopper.interruptible("reading the job's progress"):
+                result.examples_before = (await roles.progress(client, container))[1]
             _announce(cfg, container, url, emit)
             test_split = _preload_test_split(cfg)
             for i in range(cfg.num_shards):
@@ -220,6 +232,7 @@ async def run_job(
             finally:
                 if stopping is not None:
                     await stopping
+                    await _final_progress(client, container, result)
             if result.exit_code == EXIT_UNAVAILABLE:
                 result.error = (
                     f"Redis at {redact_url(url)} became unreachable after "
@@ -297,9 +310,7 @@ async def _report(
 ) -> None:
     """Fill ``result`` in: the job's progress, the metric of its final parameters (or
     the chief's last), the staleness percentiles."""
-    result.global_step, result.examples, result.last_loss, _ = await roles.progress(
-        client, container
-    )
+    result.saw(await roles.progress(client, container))
     got = None
     if result.exit_code in (0, EXIT_INTERRUPTED):  # the parameters the job ended with
         got = await evaluate(client, container, cfg, test_split)
@@ -314,6 +325,20 @@ async def _report(
                 total[b] = total.get(b, 0) + n
     result.staleness_p50 = control.staleness_percentile(total, 0.5)
     result.staleness_p99 = control.staleness_percentile(total, 0.99)
+
+
+async def _final_progress(client: qps.Client, container: str, result: JobResult) -> None:
+    """After an interrupt, once the roles have stopped: the workers' last statuses,
+    which they publish as they stop (what was read while they ran lags by up to
+    ``--log-every`` steps). Skipped when Redis does not answer within
+    :data:`FINAL_READ_SECONDS`."""
+    task = asyncio.ensure_future(roles.progress(client, container))
+    await asyncio.wait({task}, timeout=FINAL_READ_SECONDS)
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled() and task.exception() is None:
+        result.saw(task.result())
 
 
 async def _within_stop_budget(aw: Awaitable[None], stopper: Stopper, since: list[float]) -> bool:
@@ -483,9 +508,12 @@ async def _watch_roles(
                     and sync_replicas is not None
                     and 0 < len(running_workers) < sync_replicas
                 ):
+                    gone = len(workers) - len(running_workers)
+                    failed = any(w.name in result.failed for w in workers)
+                    why = "failed or done" if failed else "done with their steps"
                     emit(
-                        f"qps train: {len(running_workers)} worker(s) left, fewer than the "
-                        f"{sync_replicas} an update needs: finishing the job"
+                        f"qps train: {gone} worker(s) {why}; a synchronous update needs "
+                        f"{sync_replicas}, and {len(running_workers)} are left: finishing the job"
                     )
                     finished = True
                     await control.mark_finished(client, container)
@@ -495,20 +523,21 @@ async def _watch_roles(
                         result.stopped = "every worker failed"
                         return 1
                     await control.mark_finished(client, container)
-                step, examples, loss, steps = await roles.progress(client, container)
+                reading = await roles.progress(client, container)
         except QpsError as exc:
             if await roles.answers(client):  # a moment's trouble: go on
                 emit(f"qps train: could not read the job's progress: {exc}")
                 continue
             raise _RedisLost from exc
-        result.global_step, result.examples, result.last_loss = step, examples, loss
+        result.saw(reading)
         if progress is not None:
-            rate = examples / max(time.monotonic() - t0, 1e-9)
+            rate = result.examples / max(time.monotonic() - t0, 1e-9)
+            loss = result.last_loss
             loss_text = "-" if loss is None else f"{loss:.4f}"
             progress(
-                steps,
+                reading[3],
                 total_steps,
-                f"global step {step:,}, {rate:,.0f} examples/s, loss {loss_text}",
+                f"global step {result.global_step:,}, {rate:,.0f} examples/s, loss {loss_text}",
             )
     if any(r.name in result.failed for r in shards):
         result.stopped = "a shard failed"

@@ -276,8 +276,10 @@ def wait_command(url: str | None, container: str | None, state: str, timeout: fl
     job wait`, then look at the job.
     """
     snap = run_async(_wait(url, container, state, timeout))
+    # the job's own state says "starting" until a worker publishes; serving is reached
+    shown = "serving (no worker yet)" if snap.state == "starting" else snap.state
     click.echo(
-        f"container {snap.container}: job {snap.state}, global step {snap.global_step:,}, "
+        f"container {snap.container}: job {shown}, global step {snap.global_step:,}, "
         f"{len(snap.workers)} worker(s), {len(snap.shards)} PS shard(s)"
     )
 
