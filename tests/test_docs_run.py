@@ -9,6 +9,11 @@ checked by tests/test_docs.py.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,14 +65,33 @@ def test_page(page: Path) -> None:
     blocks = parse(page)
     run = [b for b in blocks if b.lang in RUNNABLE and b.illustration is None and not b.title]
     runs = 2 if all(b.lang == "python" for b in run) else 1
-    session = Page(page)
-    try:
-        for _ in range(runs):  # a page of Python only runs twice: rerunnable as written
-            for block in blocks:
-                session.run(block)
-            session.new_interpreter()
-    finally:
-        session.close()
+    with fixed_ports_of(page):
+        session = Page(page)
+        try:
+            for _ in range(runs):  # a page of Python only runs twice: rerunnable as written
+                for block in blocks:
+                    session.run(block)
+                session.new_interpreter()
+        finally:
+            session.close()
+
+
+#: a port a page's commands name (``redis-server --port 6390``, ``127.0.0.1:6390``)
+PORT = re.compile(r"(?:127\.0\.0\.1:|--port |-p )(\d{4,5})\b")
+
+
+@contextlib.contextmanager
+def fixed_ports_of(page: Path) -> Iterator[None]:
+    """Hold a lock on each fixed port the page names, machine-wide, while it runs: pages
+    that name the same port (in one test session, or in two sessions on one machine)
+    would otherwise start and shut down each other's servers."""
+    ports = sorted({int(p) for p in PORT.findall(page.read_text(encoding="utf-8"))})
+    with contextlib.ExitStack() as stack:
+        for port in ports:  # in order: two pages never wait for each other in a cycle
+            lock = Path(tempfile.gettempdir()) / f"qps-docs-port-{port}.lock"
+            f = stack.enter_context(open(lock, "a"))
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 # ------------------------------------------------------------------- the runner itself
