@@ -26,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["in_daemon_thread", "shielded", "unless_stopped", "wait_event"]
+__all__ = ["bounded", "in_daemon_thread", "shielded", "unless_stopped", "wait_event"]
 
 T = TypeVar("T")
 
@@ -61,6 +61,20 @@ async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> asyncio.Futur
         if not run.done():
             run.cancel()
         await asyncio.gather(run, stopped, return_exceptions=True)
+    return run
+
+
+async def bounded(aw: Awaitable[T], seconds: float) -> asyncio.Future[T]:
+    """Run ``aw`` for at most ``seconds``, then cancel it; returns its future, done (its
+    result or exception, for the caller to read or leave) or cancelled (out of time). A
+    cancellation of the caller cancels ``aw`` too."""
+    run = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({run}, timeout=seconds)
+    finally:
+        if not run.done():
+            run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
     return run
 
 

@@ -11,7 +11,7 @@ import gc
 
 import pytest
 
-from qps.aio import shielded, wait_event
+from qps.aio import bounded, shielded, unless_stopped, wait_event
 
 
 async def test_wait_event_returns_whether_the_event_is_set() -> None:
@@ -85,3 +85,19 @@ async def test_shielded_passes_the_result_and_the_failure_through() -> None:
     assert await shielded(value()) == 7
     with pytest.raises(ValueError, match="no"):
         await shielded(failure())
+
+
+async def test_bounded_and_unless_stopped_leave_nothing_running() -> None:
+    """qps.aio.bounded gives the call's outcome, or cancels it when its time is up;
+    both it and unless_stopped cancel the call when their caller is cancelled."""
+    never = asyncio.Event()
+    assert (await bounded(asyncio.sleep(0, "done"), 5)).result() == "done"
+    assert (await bounded(never.wait(), 0.01)).cancelled()  # out of time
+    for helper in (lambda: bounded(never.wait(), 60), lambda: unless_stopped(never.wait(), never)):
+        caller = asyncio.create_task(helper())
+        for _ in range(3):  # loop turns: the caller is inside its wait
+            await asyncio.sleep(0)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert not asyncio.all_tasks() - {asyncio.current_task()}  # the call went too

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import qps
 from qps import wire
-from qps.aio import in_daemon_thread
+from qps.aio import bounded, in_daemon_thread
 from qps.errors import QpsError, UnavailableError
 from qps.optimizers import make_optimizer
 from qps.ps import control
@@ -332,13 +332,9 @@ async def _final_progress(client: qps.Client, container: str, result: JobResult)
     which they publish as they stop (what was read while they ran lags by up to
     ``--log-every`` steps). Skipped when Redis does not answer within
     :data:`FINAL_READ_SECONDS`."""
-    task = asyncio.ensure_future(roles.progress(client, container))
-    await asyncio.wait({task}, timeout=FINAL_READ_SECONDS)
-    if not task.done():
-        task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    if not task.cancelled() and task.exception() is None:
-        result.saw(task.result())
+    read = await bounded(roles.progress(client, container), FINAL_READ_SECONDS)
+    if not read.cancelled() and read.exception() is None:
+        result.saw(read.result())
 
 
 async def _within_stop_budget(aw: Awaitable[None], stopper: Stopper, since: list[float]) -> bool:

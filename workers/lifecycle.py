@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from qps import checkpoint, keys, owners
+from qps.aio import bounded
 from qps.containers import reset, scan_container_keys
 from qps.errors import FailedPreconditionError, NotFoundError
 from qps.lease import Lease
@@ -325,18 +326,13 @@ async def resume(
 async def _bounded(aw: Awaitable[Any], seconds: float, what: str = "") -> None:
     """Run ``aw`` for at most ``seconds``; its failure is logged (a warning that it
     could not ``what``; at DEBUG without), not raised."""
-    task = asyncio.ensure_future(aw)
-    try:
-        await asyncio.wait({task}, timeout=seconds)
-    finally:
-        if not task.done():
-            task.cancel()
-        for got in await asyncio.gather(task, return_exceptions=True):
-            if isinstance(got, Exception):
-                if what:
-                    log.warning("could not %s: %s", what, got)
-                else:
-                    log.debug("ignored: %r", got)
+    run = await bounded(aw, seconds)
+    got = None if run.cancelled() else run.exception()
+    if isinstance(got, Exception):
+        if what:
+            log.warning("could not %s: %s", what, got)
+        else:
+            log.debug("ignored: %r", got)
 
 
 def prune_checkpoints(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import qps
 from qps import owners
+from qps.aio import bounded
 from qps.ps import control
 from workers import job
 
@@ -110,11 +111,5 @@ async def progress(client: qps.Client, container: str) -> tuple[int, int, float 
 
 async def answers(client: qps.Client) -> bool:
     """Whether Redis answers a PING within :data:`PING_SECONDS`."""
-    task = asyncio.ensure_future(client.ping())
-    try:
-        await asyncio.wait({task}, timeout=PING_SECONDS)
-    finally:
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    return not task.cancelled() and task.exception() is None
+    ping = await bounded(client.ping(), PING_SECONDS)
+    return not ping.cancelled() and ping.exception() is None
